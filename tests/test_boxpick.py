@@ -1,0 +1,331 @@
+"""BoxPick rules (REFERENCE.md §2): transitions, reward, generators, determinism, bad input."""
+
+import gymnasium as gym
+import pytest
+import torch
+
+import envs
+from envs import boxpick as bp
+from envs.boxpick import (AGENT, AGENT_CARRYING_BOX, AGENT_ON_BOX, AGENT_ON_BOX_CARRYING_BOX, AGENT_ON_TARGET,
+                          AGENT_ON_TARGET_CARRYING_BOX, AGENT_ON_TARGET_WITH_BOX,
+                          AGENT_ON_TARGET_WITH_BOX_CARRYING_BOX, BOX, BOX_ON_TARGET, DOWN, EMPTY, LEFT, PICK_UP,
+                          PUT_DOWN, RIGHT, TARGET, UP, BoxPickVecEnv)
+
+
+def make_grid(cells):
+    """A 36-cell grid from {(row, col): code}."""
+    grid = torch.zeros(36, dtype=torch.int8)
+    for (r, c), code in cells.items():
+        grid[r * 6 + c] = code
+    return grid
+
+
+def env_from(cells_list, **kwargs):
+    env = BoxPickVecEnv(len(cells_list), **kwargs)
+    env.reset(options={"grid": torch.stack([make_grid(c) for c in cells_list])})
+    return env
+
+
+# Each case: start cells, action, expected cells after the step. Every start has one box per
+# target so it is a legal task; the other box/target pair sits far away at (5, 5)/(5, 4).
+FAR = {(5, 5): BOX, (5, 4): TARGET}
+TRANSITIONS = [
+    # plain moves over empty cells, and every wall
+    ("move up", {(2, 2): AGENT}, UP, {(1, 2): AGENT}),
+    ("move down", {(2, 2): AGENT}, DOWN, {(3, 2): AGENT}),
+    ("move left", {(2, 2): AGENT}, LEFT, {(2, 1): AGENT}),
+    ("move right", {(2, 2): AGENT}, RIGHT, {(2, 3): AGENT}),
+    ("wall up", {(0, 2): AGENT}, UP, {(0, 2): AGENT}),
+    ("wall down", {(4, 0): TARGET, (5, 0): AGENT_ON_BOX}, DOWN, {(4, 0): TARGET, (5, 0): AGENT_ON_BOX}),
+    ("wall left", {(3, 0): AGENT_CARRYING_BOX, (3, 1): TARGET}, LEFT, {(3, 0): AGENT_CARRYING_BOX, (3, 1): TARGET}),
+    ("wall right", {(3, 5): AGENT}, RIGHT, {(3, 5): AGENT}),
+    # moving onto and off boxes and targets, not carrying
+    ("onto box", {(2, 2): AGENT, (2, 3): BOX, (0, 0): TARGET}, RIGHT,
+     {(2, 3): AGENT_ON_BOX, (0, 0): TARGET}),
+    ("off box", {(2, 3): AGENT_ON_BOX, (0, 0): TARGET}, LEFT, {(2, 2): AGENT, (2, 3): BOX, (0, 0): TARGET}),
+    ("onto target", {(2, 2): AGENT}, UP, {(1, 2): AGENT}),
+    ("onto target cell", {(2, 2): AGENT, (1, 2): TARGET, (0, 0): BOX}, UP,
+     {(1, 2): AGENT_ON_TARGET, (0, 0): BOX}),
+    ("off target", {(1, 2): AGENT_ON_TARGET, (0, 0): BOX}, DOWN, {(1, 2): TARGET, (2, 2): AGENT, (0, 0): BOX}),
+    ("onto box on target", {(2, 2): AGENT, (2, 1): BOX_ON_TARGET}, LEFT, {(2, 1): AGENT_ON_TARGET_WITH_BOX}),
+    ("off box on target", {(2, 1): AGENT_ON_TARGET_WITH_BOX}, RIGHT, {(2, 1): BOX_ON_TARGET, (2, 2): AGENT}),
+    # moving while carrying
+    ("carry onto empty", {(2, 2): AGENT_CARRYING_BOX, (0, 0): TARGET}, DOWN,
+     {(3, 2): AGENT_CARRYING_BOX, (0, 0): TARGET}),
+    ("carry onto box", {(2, 2): AGENT_CARRYING_BOX, (3, 2): BOX, (0, 0): TARGET, (0, 1): TARGET}, DOWN,
+     {(3, 2): AGENT_ON_BOX_CARRYING_BOX, (0, 0): TARGET, (0, 1): TARGET}),
+    ("carry off box", {(3, 2): AGENT_ON_BOX_CARRYING_BOX, (0, 0): TARGET, (0, 1): TARGET}, UP,
+     {(2, 2): AGENT_CARRYING_BOX, (3, 2): BOX, (0, 0): TARGET, (0, 1): TARGET}),
+    ("carry onto target", {(2, 2): AGENT_CARRYING_BOX, (2, 3): TARGET}, RIGHT, {(2, 3): AGENT_ON_TARGET_CARRYING_BOX}),
+    ("carry off target", {(2, 3): AGENT_ON_TARGET_CARRYING_BOX}, RIGHT,
+     {(2, 3): TARGET, (2, 4): AGENT_CARRYING_BOX}),
+    ("carry onto box on target", {(2, 2): AGENT_CARRYING_BOX, (1, 2): BOX_ON_TARGET, (0, 0): TARGET}, UP,
+     {(1, 2): AGENT_ON_TARGET_WITH_BOX_CARRYING_BOX, (0, 0): TARGET}),
+    ("carry off box on target", {(1, 2): AGENT_ON_TARGET_WITH_BOX_CARRYING_BOX, (0, 0): TARGET}, DOWN,
+     {(1, 2): BOX_ON_TARGET, (2, 2): AGENT_CARRYING_BOX, (0, 0): TARGET}),
+    # PICK_UP: works from a box cell only, never while carrying
+    ("pick up box", {(2, 2): AGENT_ON_BOX, (0, 0): TARGET}, PICK_UP, {(2, 2): AGENT_CARRYING_BOX, (0, 0): TARGET}),
+    ("pick up box on target", {(2, 2): AGENT_ON_TARGET_WITH_BOX}, PICK_UP, {(2, 2): AGENT_ON_TARGET_CARRYING_BOX}),
+    ("pick up nothing", {(2, 2): AGENT}, PICK_UP, {(2, 2): AGENT}),
+    ("pick up from target", {(2, 2): AGENT_ON_TARGET, (0, 0): BOX}, PICK_UP, {(2, 2): AGENT_ON_TARGET, (0, 0): BOX}),
+    ("pick up while carrying", {(2, 2): AGENT_CARRYING_BOX, (0, 0): TARGET}, PICK_UP,
+     {(2, 2): AGENT_CARRYING_BOX, (0, 0): TARGET}),
+    ("pick up on box while carrying", {(2, 2): AGENT_ON_BOX_CARRYING_BOX, (0, 0): TARGET, (0, 1): TARGET}, PICK_UP,
+     {(2, 2): AGENT_ON_BOX_CARRYING_BOX, (0, 0): TARGET, (0, 1): TARGET}),
+    ("pick up on target box while carrying", {(2, 2): AGENT_ON_TARGET_WITH_BOX_CARRYING_BOX, (0, 0): TARGET},
+     PICK_UP, {(2, 2): AGENT_ON_TARGET_WITH_BOX_CARRYING_BOX, (0, 0): TARGET}),
+    ("put down on target box", {(2, 2): AGENT_ON_TARGET_WITH_BOX_CARRYING_BOX, (0, 0): TARGET},
+     PUT_DOWN, {(2, 2): AGENT_ON_TARGET_WITH_BOX_CARRYING_BOX, (0, 0): TARGET}),
+    # PUT_DOWN: exact inverse of the two pick-ups, nothing else
+    ("put down", {(2, 2): AGENT_CARRYING_BOX, (0, 0): TARGET}, PUT_DOWN, {(2, 2): AGENT_ON_BOX, (0, 0): TARGET}),
+    ("put down on target", {(2, 2): AGENT_ON_TARGET_CARRYING_BOX}, PUT_DOWN, {(2, 2): AGENT_ON_TARGET_WITH_BOX}),
+    ("put down not carrying", {(2, 2): AGENT_ON_BOX, (0, 0): TARGET}, PUT_DOWN, {(2, 2): AGENT_ON_BOX, (0, 0): TARGET}),
+    ("put down onto a box", {(2, 2): AGENT_ON_BOX_CARRYING_BOX, (0, 0): TARGET, (0, 1): TARGET}, PUT_DOWN,
+     {(2, 2): AGENT_ON_BOX_CARRYING_BOX, (0, 0): TARGET, (0, 1): TARGET}),
+    ("put down empty-handed", {(2, 2): AGENT}, PUT_DOWN, {(2, 2): AGENT}),
+]
+
+
+@pytest.mark.parametrize("name,start,action,expected", TRANSITIONS, ids=[t[0] for t in TRANSITIONS])
+def test_transition(name, start, action, expected):
+    start, expected = {**FAR, **start}, {**FAR, **expected}
+    env = env_from([start])
+    obs, reward, terminated, truncated, info = env.step(torch.tensor([action]))
+    assert env.grid[0].tolist() == make_grid(expected).tolist(), bp.render(env.grid[0])
+    assert reward.item() == 0.0  # the far box is never on its target here
+    assert not terminated.item() and not truncated.item()
+    assert obs["observation"][0].tolist() == bp.hide_targets(make_grid(expected)).tolist()
+
+
+def test_every_code_hides_targets_and_removes_agent_consistently():
+    for code in range(12):
+        box, target, agent, carrying = bp.CODE_FLAGS[code]
+        hidden = bp.CODE_FLAGS[int(bp.hide_targets(torch.tensor([code]))[0])]
+        assert hidden == (box, 0, agent, carrying)
+        removed = bp.CODE_FLAGS[int(bp.remove_agent(torch.tensor([code]))[0])]
+        assert removed == (box, target, 0, 0)
+
+
+def test_reward_and_success_when_last_box_is_put_on_its_target():
+    # One box carried onto its target: PUT_DOWN solves the task unless the agent is away from start.
+    env = env_from([{(2, 2): AGENT_ON_TARGET_CARRYING_BOX}])
+    _, reward, _, _, _ = env.step(torch.tensor([PUT_DOWN]))
+    assert reward.item() == 1.0
+    # Picking it up again loses the reward: the carried box is not on the target.
+    _, reward, _, _, _ = env.step(torch.tensor([PICK_UP]))
+    assert reward.item() == 0.0
+    _, reward, _, _, _ = env.step(torch.tensor([PUT_DOWN]))
+    _, reward, _, _, _ = env.step(torch.tensor([UP]))  # the agent position is ignored by the reward
+    assert reward.item() == 1.0
+
+
+def test_goal_is_the_solved_grid_in_the_agents_view():
+    env = env_from([{(1, 1): AGENT_ON_BOX, (4, 4): TARGET, (0, 3): BOX_ON_TARGET}])
+    expected = bp.hide_targets(make_grid({(1, 1): AGENT, (4, 4): BOX_ON_TARGET, (0, 3): BOX_ON_TARGET}))
+    assert env.goal[0].tolist() == expected.tolist()
+    assert env._obs()["observation"][0].tolist() == make_grid({(1, 1): AGENT_ON_BOX, (0, 3): BOX}).tolist()
+
+
+def test_episode_runs_100_steps_whatever_success_and_reports_stats():
+    env = env_from([{(2, 2): AGENT_ON_TARGET_WITH_BOX}, {(2, 2): AGENT_ON_BOX, (0, 0): TARGET}])
+    actions = torch.tensor([PUT_DOWN, PUT_DOWN])  # does nothing; env 0 stays solved
+    for t in range(1, 101):
+        obs, reward, terminated, truncated, info = env.step(actions)
+        assert reward.tolist() == [1.0, 0.0]
+        assert not terminated.any()
+        assert truncated.tolist() == [t == 100] * 2
+    assert info["episode_done"].tolist() == [True, True]
+    assert info["episode_success"].tolist() == [1.0, 0.0]
+    assert info["episode_boxes_on_target"].tolist() == [1.0, 0.0]
+    assert info["episode_length"].tolist() == [100, 100]
+    # Auto-reset: a fresh Exact-4 task; final_obs keeps the finished one.
+    assert info["final_obs"]["observation"][0].tolist() == bp.hide_targets(
+        make_grid({(2, 2): AGENT_ON_TARGET_WITH_BOX})).tolist()
+    box, target, agent, _ = bp.decode(env.grid)
+    assert box.sum(1).tolist() == [4, 4] and target.sum(1).tolist() == [4, 4] and agent.sum(1).tolist() == [1, 1]
+    assert env.steps.tolist() == [0, 0]
+
+
+def sample(variant, split, n=4000, seed=0):
+    env = BoxPickVecEnv(n, variant=variant, split=split, seed=seed)
+    box, target, agent_start, allowed = env.sample_tasks(n)
+    return env, box, target, agent_start, allowed
+
+
+def quadrant_of(cells):
+    rows, cols = cells // 6, cells % 6
+    return (rows >= 3).long() * 2 + (cols >= 3).long()
+
+
+@pytest.mark.parametrize("variant,n_boxes", [("Exact-3", 3), ("Exact-4", 4)])
+@pytest.mark.parametrize("split", ["train", "unseen"])
+def test_exact_generator_invariants(variant, n_boxes, split):
+    env, box, target, agent_start, allowed = sample(variant, split)
+    assert (box.sum(1) == n_boxes).all() and (target.sum(1) == n_boxes).all()
+    assert not (box & target).any()
+    box_quadrants = quadrant_of(box.nonzero()[:, 1]).view(-1, n_boxes)
+    target_quadrants = quadrant_of(target.nonzero()[:, 1]).view(-1, n_boxes)
+    assert (box_quadrants == box_quadrants[:, :1]).all() and (target_quadrants == target_quadrants[:, :1]).all()
+    pairs = set(zip(box_quadrants[:, 0].tolist(), target_quadrants[:, 0].tolist()))
+    expected = bp.TRAIN_QUADRANT_PAIRS if split == "train" else bp.UNSEEN_QUADRANT_PAIRS
+    assert pairs == set(expected)  # all pairs appear, and no others
+    assert (quadrant_of(agent_start) == box_quadrants[:, 0]).all()
+    # The agent starts on every cell of its quadrant, boxes included.
+    assert len(set(agent_start.tolist())) == 36
+    # Quarter region: bounding box of the two quadrants (3x6 for adjacent, the whole grid for diagonal).
+    assert (allowed.sum(1) == (18 if split == "train" else 36)).all()
+
+
+@pytest.mark.parametrize("variant,moving", [("Generalize-4-1", 1), ("Generalize-4-2", 2)])
+@pytest.mark.parametrize("split", ["train", "unseen"])
+def test_generalize_generator_invariants(variant, moving, split):
+    env, box, target, agent_start, allowed = sample(variant, split)
+    moving = 4 if split == "unseen" else moving
+    assert (box.sum(1) == 4).all() and (target.sum(1) == 4).all()
+    assert ((box & target).sum(1) == 4 - moving).all()  # boxes already on targets
+    assert len(set(agent_start.tolist())) == 36  # uniform start, possibly on a box or target
+    counts = torch.bincount(agent_start, minlength=36).float()
+    assert counts.min() > 0.5 * counts.mean()
+    assert allowed.all()
+
+
+def test_reset_from_generator_builds_consistent_grids():
+    env = BoxPickVecEnv(512, variant="Generalize-4-1", seed=3)
+    obs, _ = env.reset()
+    box, target, agent, carrying = bp.decode(env.grid)
+    assert (agent.sum(1) == 1).all() and not carrying.any()
+    assert (agent.long().argmax(1) == env.agent_pos).all()
+    assert (box.sum(1) == 4).all() and (target.sum(1) == 4).all()
+    assert obs["observation"].dtype == torch.int8
+
+
+def test_quarter_filter_truncates_when_agent_leaves_the_region():
+    env = BoxPickVecEnv(1, variant="Exact-3", quarter_filter=True)
+    env.reset(seed=0)
+    env.allowed[0] = False
+    env.allowed[0, env.agent_pos[0]] = True
+    _, _, _, truncated, info = env.step(torch.tensor([PICK_UP]))  # staying inside: no truncation
+    assert not truncated.item()
+    row = int(env.agent_pos[0]) // 6
+    _, _, _, truncated, info = env.step(torch.tensor([DOWN if row < 5 else UP]))
+    assert truncated.item() and info["episode_length"].item() == 2
+
+
+def test_quarter_filter_is_refused_on_generalize():
+    with pytest.raises(ValueError, match="Exact"):
+        BoxPickVecEnv(2, variant="Generalize-4-1", quarter_filter=True)
+
+
+def rollout(env, steps=150, seed=0):
+    actions = torch.Generator().manual_seed(seed)
+    out = []
+    obs, _ = env.reset(seed=seed)
+    out.append(obs["observation"].cpu())
+    for _ in range(steps):
+        obs, reward, _, _, _ = env.step(torch.randint(6, (env.num_envs,), generator=actions).to(env.device))
+        out.append(torch.cat([obs["observation"], obs["desired_goal"]], 1).cpu())
+        out.append(reward.cpu())
+    return out
+
+
+def test_determinism_from_seed():
+    a = rollout(BoxPickVecEnv(32, variant="Exact-4"), seed=7)
+    b = rollout(BoxPickVecEnv(32, variant="Exact-4"), seed=7)
+    c = rollout(BoxPickVecEnv(32, variant="Exact-4"), seed=8)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_matches_cpu_on_given_states():
+    grid = torch.stack([make_grid({**FAR, **start}) for _, start, _, _ in TRANSITIONS])
+    actions = torch.tensor([a for _, _, a, _ in TRANSITIONS])
+    results = []
+    for device in ["cpu", "cuda"]:
+        env = BoxPickVecEnv(len(TRANSITIONS), device=device)
+        env.reset(options={"grid": grid})
+        for _ in range(20):
+            env.step(actions.to(device))
+        results.append(env.grid.cpu())
+    assert torch.equal(*results)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_generator_invariants():
+    env = BoxPickVecEnv(4096, variant="Exact-4", split="unseen", device="cuda")
+    box, target, agent_start, _ = env.sample_tasks(4096)
+    assert (box.sum(1) == 4).all() and (target.sum(1) == 4).all()
+
+
+def test_registered_ids_make_batched_envs():
+    for env_id in envs.BOXPICK_IDS:
+        env = gym.make_vec(env_id, num_envs=3, split="unseen")
+        obs, _ = env.reset(seed=0)
+        assert obs["observation"].shape == (3, 36)
+        assert env.unwrapped.split == "unseen"
+
+
+# ----- bad input -----
+
+def test_unknown_id_and_split_and_variant():
+    with pytest.raises(ValueError, match="FlexLoop registers"):
+        envs.make_vec("BoxPick-Exact-5-v0", 4)
+    with pytest.raises(ValueError, match="split='train' or split='unseen'"):
+        BoxPickVecEnv(4, split="test")
+    with pytest.raises(ValueError, match="choose one of"):
+        BoxPickVecEnv(4, variant="Exact-9")
+
+
+@pytest.mark.parametrize("num_envs", [0, -3])
+def test_num_envs_must_be_positive(num_envs):
+    with pytest.raises(ValueError, match="positive"):
+        BoxPickVecEnv(num_envs)
+
+
+def test_bad_actions_are_refused_and_state_is_untouched():
+    env = BoxPickVecEnv(4)
+    env.reset(seed=0)
+    before = env.grid.clone()
+    with pytest.raises(ValueError, match=r"shape \(4,\)"):
+        env.step(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer"):
+        env.step(torch.zeros(4))
+    with pytest.raises(ValueError, match="0..5"):
+        env.step(torch.tensor([0, 1, 6, 2]))
+    with pytest.raises(ValueError, match="0..5"):
+        env.step(torch.tensor([0, -1, 0, 2]))
+    assert torch.equal(env.grid, before) and env.steps.sum() == 0
+
+
+def test_illegal_given_states_are_refused():
+    env = BoxPickVecEnv(1)
+    with pytest.raises(ValueError, match="exactly one"):
+        env.reset(options={"grid": make_grid({(0, 0): BOX, (1, 1): TARGET})[None]})
+    with pytest.raises(ValueError, match="exactly one"):
+        env.reset(options={"grid": make_grid({(0, 0): AGENT, (1, 1): AGENT_ON_TARGET_WITH_BOX})[None]})
+    with pytest.raises(ValueError, match="as many boxes as targets"):
+        env.reset(options={"grid": make_grid({(0, 0): AGENT, (1, 1): BOX})[None]})
+    with pytest.raises(ValueError, match="0..11"):
+        env.reset(options={"grid": torch.full((1, 36), 12)})
+    with pytest.raises(ValueError, match="shape"):
+        env.reset(options={"grid": torch.zeros(1, 35, dtype=torch.long)})
+    with pytest.raises(TypeError, match="integer"):
+        env.reset(options={"grid": torch.zeros(1, 36)})
+    with pytest.raises(ValueError, match="not both"):
+        env.reset(options={"grid": make_grid({(0, 0): AGENT_ON_BOX, (1, 1): TARGET})[None], "agent_pos": [3]})
+
+
+def test_reset_from_agent_position_and_carrying_flag():
+    env = BoxPickVecEnv(2)
+    grid = torch.stack([make_grid({(0, 0): TARGET, (1, 1): BOX, (2, 2): TARGET}), make_grid({(4, 4): TARGET})])
+    env.reset(options={"grid": grid, "agent_pos": [[1, 1], [5, 0]], "carrying": [True, True]})
+    assert env.grid[0, 7].item() == AGENT_ON_BOX_CARRYING_BOX
+    assert env.grid[1, 30].item() == AGENT_CARRYING_BOX
+    assert env.agent_pos.tolist() == [7, 30]
+
+
+def test_render_shows_every_cell_kind():
+    text = bp.render(make_grid({(0, 0): AGENT_CARRYING_BOX, (0, 1): BOX, (0, 2): TARGET, (0, 3): BOX_ON_TARGET}))
+    first = text.splitlines()[0]
+    assert first.split()[:4] == ["A", "#", "o", "@"]
+    assert len(text.splitlines()) == 6
