@@ -1,0 +1,603 @@
+"""OGBench data for FlexLoop's GC-IQL: load a dataset, sample goal-conditioned batches on the device, and
+regenerate datasets locally with the oracles that ship inside the `ogbench` package.
+
+    from envs.ogbench_data import DATASETS, load_dataset, make_eval_env
+    train = load_dataset("cube-double-play-v0", device="cuda")          # a GCDataset
+    batch = train.sample(1024, generator)                                 # dict of tensors, no host syncs
+
+    python -m envs.ogbench_data generate --env scene-play-v0 --episodes 1000 --out ~/.ogbench/data --workers 16
+
+`ogbench` (and with it mujoco) is imported only inside the functions that need it, so importing this module
+for BoxPick or LightsOut costs neither.
+"""
+
+import argparse
+import multiprocessing
+import os
+import socket
+import sys
+import urllib.error
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-dataset facts (REFERENCE.md §4)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    family: str  # "manipulation" or "navigation"
+    env_id: str  # the gymnasium id of the evaluation env (the dataset name without the dataset type)
+    obs_dim: int  # = goal dim
+    action_dim: int
+    episode_limit: int  # evaluation episode length (the env's TimeLimit)
+    alpha: float  # BC weight of the DDPG+BC actor loss
+    lambda_depth: float  # weight of the adjacent-depth KL
+    actor_p_curgoal: float
+    actor_p_trajgoal: float
+    actor_p_randomgoal: float
+    actor_geom_sample: bool  # False: trajectory goals for the actor are uniform over the future
+    gen_episodes: int  # reference number of train episodes when generating
+    gen_episode_steps: int  # reference states per episode when generating
+
+
+# manipulation: actor goals are uniform future states of the trajectory; navigation (stitch): half random
+_MANIP = dict(family="manipulation", action_dim=5, alpha=1.0, actor_p_curgoal=0.0, actor_p_trajgoal=1.0,
+              actor_p_randomgoal=0.0, actor_geom_sample=False, gen_episodes=1000, gen_episode_steps=1001)
+_NAV = dict(family="navigation", actor_p_curgoal=0.0, actor_p_trajgoal=0.5, actor_p_randomgoal=0.5,
+            actor_geom_sample=False, gen_episodes=5000, gen_episode_steps=201)
+DATASETS = {
+    "scene-play-v0": DatasetSpec(env_id="scene-v0", obs_dim=40, episode_limit=750, lambda_depth=0.05, **_MANIP),
+    "cube-double-play-v0": DatasetSpec(
+        env_id="cube-double-v0", obs_dim=37, episode_limit=500, lambda_depth=0.02, **_MANIP
+    ),
+    "puzzle-4x4-play-v0": DatasetSpec(
+        env_id="puzzle-4x4-v0", obs_dim=83, episode_limit=500, lambda_depth=0.2, **_MANIP
+    ),
+    "antmaze-medium-stitch-v0": DatasetSpec(
+        env_id="antmaze-medium-v0", obs_dim=29, action_dim=8, episode_limit=1000, alpha=0.3, lambda_depth=0.03, **_NAV
+    ),
+    "pointmaze-large-stitch-v0": DatasetSpec(
+        env_id="pointmaze-large-v0", obs_dim=2, action_dim=2, episode_limit=1000, alpha=0.003, lambda_depth=0.3, **_NAV
+    ),
+}
+
+# Value/critic goals are the same for every dataset: current 0.2, trajectory 0.5 (geometric in gamma), random 0.3.
+VALUE_P_CURGOAL, VALUE_P_TRAJGOAL, VALUE_P_RANDOMGOAL = 0.2, 0.5, 0.3
+GAMMA = 0.99
+
+# goal kinds reported by GCDataset.sample(..., return_goal_kind=True)
+GOAL_CURRENT, GOAL_TRAJECTORY, GOAL_RANDOM = 0, 1, 2
+
+OGBENCH_URL = "https://rail.eecs.berkeley.edu/datasets/ogbench"
+DEFAULT_DATASET_DIR = "~/.ogbench/data"  # the ogbench package's default
+
+
+def get_spec(env_name):
+    if env_name not in DATASETS:
+        raise ValueError(f"unknown OGBench dataset {env_name!r}; supported: {', '.join(DATASETS)}")
+    return DATASETS[env_name]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Goal-conditioned sampling on the device
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class GCDataset:
+    """A compact OGBench dataset held as torch tensors on one device, with OGBench's goal-conditioned sampling.
+
+    Layout (ogbench's `compact_dataset=True`): each trajectory is a run of states s_0..s_T; `valids` is 0 only at
+    s_T, so for every valid index i the transition is (obs[i], act[i], obs[i + 1]) inside one trajectory.
+    `final_idxs[i]` is the last *valid* index of i's trajectory (defined for valid i): OGBench clips trajectory goals
+    there. `traj_ids[i]` numbers the trajectories 0, 1, ...
+    """
+
+    def __init__(
+        self,
+        observations,
+        actions,
+        valids,
+        device="cpu",
+        gamma=GAMMA,
+        actor_p_curgoal=0.0,
+        actor_p_trajgoal=1.0,
+        actor_p_randomgoal=0.0,
+        actor_geom_sample=False,
+        value_p_curgoal=VALUE_P_CURGOAL,
+        value_p_trajgoal=VALUE_P_TRAJGOAL,
+        value_p_randomgoal=VALUE_P_RANDOMGOAL,
+    ):
+        observations = np.asarray(observations)
+        actions = np.asarray(actions)
+        valids = np.asarray(valids).astype(bool)
+        n = len(observations)
+        if len(actions) != n or len(valids) != n:
+            raise ValueError(f"observations, actions and valids differ in length: {n}, {len(actions)}, {len(valids)}")
+        if n == 0 or valids[-1]:
+            raise ValueError("the dataset must end with the (invalid) last state of a trajectory; is it compact?")
+        for name, ps in [
+            ("value", (value_p_curgoal, value_p_trajgoal, value_p_randomgoal)),
+            ("actor", (actor_p_curgoal, actor_p_trajgoal, actor_p_randomgoal)),
+        ]:
+            if min(ps) < 0 or not np.isclose(sum(ps), 1.0):
+                raise ValueError(f"{name} goal probabilities {ps} must be >= 0 and sum to 1")
+        if not 0.0 < gamma < 1.0:
+            raise ValueError(f"gamma must be in (0, 1), got {gamma}")
+
+        # Trajectory boundaries, computed once on the host. The invalid indices are the trajectories' last states.
+        (end_locs,) = np.nonzero(~valids)
+        (valid_idxs,) = np.nonzero(valids)
+        if len(valid_idxs) == 0:
+            raise ValueError("the dataset has no valid transition (every trajectory is a single state)")
+        traj_ids = np.searchsorted(end_locs, np.arange(n), side="left")  # first end at or after i
+        final_idxs = end_locs[traj_ids] - 1
+
+        self.device = torch.device(device)
+        self.observations = torch.as_tensor(observations, dtype=torch.float32).to(self.device)
+        self.actions = torch.as_tensor(actions, dtype=torch.float32).to(self.device)
+        self.valids = torch.as_tensor(valids, dtype=torch.float32).to(self.device)
+        self.valid_idxs = torch.as_tensor(valid_idxs, dtype=torch.long).to(self.device)
+        self.final_idxs = torch.as_tensor(final_idxs, dtype=torch.long).to(self.device)
+        self.traj_ids = torch.as_tensor(traj_ids, dtype=torch.long).to(self.device)
+        self.size = n
+        self.num_valid = len(valid_idxs)
+        self.num_trajectories = len(end_locs)
+        self.obs_dim = self.observations.shape[1]
+        self.action_dim = self.actions.shape[1]
+        self.gamma = gamma
+        self.value_probs = (value_p_curgoal, value_p_trajgoal, value_p_randomgoal)
+        self.actor_probs = (actor_p_curgoal, actor_p_trajgoal, actor_p_randomgoal)
+        self.actor_geom_sample = actor_geom_sample
+
+    @classmethod
+    def from_ogbench(cls, data, spec, device="cpu", gamma=GAMMA):
+        """Build from the dict that `ogbench.load_dataset(..., compact_dataset=True)` returns."""
+        if "valids" not in data:
+            raise ValueError("expected a compact ogbench dataset (with 'valids'); load it with compact_dataset=True")
+        return cls(
+            data["observations"],
+            data["actions"],
+            data["valids"],
+            device=device,
+            gamma=gamma,
+            actor_p_curgoal=spec.actor_p_curgoal,
+            actor_p_trajgoal=spec.actor_p_trajgoal,
+            actor_p_randomgoal=spec.actor_p_randomgoal,
+            actor_geom_sample=spec.actor_geom_sample,
+        )
+
+    def __len__(self):
+        return self.num_valid
+
+    def random_valid_idxs(self, batch_size, generator=None):
+        r = torch.randint(self.num_valid, (batch_size,), generator=generator, device=self.device)
+        return self.valid_idxs[r]
+
+    def sample_goals(self, idxs, p_curgoal, p_trajgoal, geom_sample, generator=None):
+        """Goal indices for `idxs`, and the kind of each (GOAL_CURRENT / GOAL_TRAJECTORY / GOAL_RANDOM).
+
+        Follows ogbench/impls/utils/datasets.py GCDataset.sample_goals:
+        - trajectory, geometric: offset ~ Geometric(1 - gamma) on {1, 2, ...}, i.e. P(j) = (1 - gamma) gamma^(j-1),
+          and goal = min(i + offset, last valid index of i's trajectory);
+        - trajectory, uniform: goal = round(lo * d + final * (1 - d)), d ~ U[0, 1), lo = min(i + 1, final),
+          i.e. (about) uniform over the future valid states of the trajectory;
+        - random: a uniformly random valid index of the dataset.
+        OGBench draws traj-vs-random and then current-vs-that with two coins; one uniform draw gives the same
+        marginals (current p_cur, trajectory p_traj, random 1 - p_cur - p_traj).
+        """
+        b = idxs.shape[0]
+        final = self.final_idxs[idxs]
+        if geom_sample:
+            offsets = torch.empty(b, device=self.device).geometric_(1.0 - self.gamma, generator=generator).long()
+            traj_goals = torch.minimum(idxs + offsets, final)
+        else:
+            lo = torch.minimum(idxs + 1, final)
+            d = torch.rand(b, device=self.device, generator=generator)
+            traj_goals = lo + torch.round((final - lo).float() * (1.0 - d)).long()
+        random_goals = self.random_valid_idxs(b, generator)
+        u = torch.rand(b, device=self.device, generator=generator)
+        kind = torch.full((b,), GOAL_RANDOM, dtype=torch.long, device=self.device)
+        kind = torch.where(u < p_curgoal + p_trajgoal, GOAL_TRAJECTORY, kind)
+        kind = torch.where(u < p_curgoal, GOAL_CURRENT, kind)
+        goals = torch.where(kind == GOAL_TRAJECTORY, traj_goals, random_goals)
+        goals = torch.where(kind == GOAL_CURRENT, idxs, goals)
+        return goals, kind
+
+    def sample(self, batch_size, generator=None, return_goal_kind=False):
+        """A batch of goal-conditioned transitions, all torch ops on self.device (no host syncs).
+
+        `generator` must be a torch.Generator on self.device (or None for the global one).
+        Keys: observations, actions, next_observations, value_goals, actor_goals, rewards, masks.
+        Rewards and masks follow OGBench: success = (current index == value goal index), reward = success - 1
+        (0 at the goal, -1 elsewhere), mask = 1 - success.
+        With return_goal_kind=True it also returns the indices (idxs, value_goal_idxs, actor_goal_idxs) and the goal
+        kinds (value_goal_kinds, actor_goal_kinds), for tests and diagnostics.
+        """
+        idxs = self.random_valid_idxs(batch_size, generator)
+        p_cur, p_traj, _ = self.value_probs
+        value_goal_idxs, value_kind = self.sample_goals(idxs, p_cur, p_traj, True, generator)
+        p_cur, p_traj, _ = self.actor_probs
+        actor_goal_idxs, actor_kind = self.sample_goals(idxs, p_cur, p_traj, self.actor_geom_sample, generator)
+
+        successes = (idxs == value_goal_idxs).float()
+        batch = {
+            "observations": self.observations[idxs],
+            "actions": self.actions[idxs],
+            "next_observations": self.observations[idxs + 1],  # valid idxs never end a trajectory
+            "value_goals": self.observations[value_goal_idxs],
+            "actor_goals": self.observations[actor_goal_idxs],
+            "rewards": successes - 1.0,
+            "masks": 1.0 - successes,
+        }
+        if return_goal_kind:
+            batch.update(
+                idxs=idxs,
+                value_goal_idxs=value_goal_idxs,
+                actor_goal_idxs=actor_goal_idxs,
+                value_goal_kinds=value_kind,
+                actor_goal_kinds=actor_kind,
+            )
+        return batch
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def missing_dataset_message(env_name, paths, dataset_dir=None):
+    dataset_dir = dataset_dir or DEFAULT_DATASET_DIR
+    lines = [
+        f"OGBench dataset {env_name!r} not found: {', '.join(str(p) for p in paths)}.",
+        "Download it (train and -val files) with",
+        f"    python -c \"import ogbench; ogbench.download_datasets(['{env_name}'], '{dataset_dir}')\"",
+        f"or fetch {OGBENCH_URL}/{env_name}.npz and {OGBENCH_URL}/{env_name}-val.npz into the dataset dir,",
+        "then pass --dataset-dir (or dataset_dir=) pointing there.",
+    ]
+    if get_spec(env_name).family == "manipulation" or env_name.startswith("pointmaze"):
+        lines += [
+            "Or generate it locally with the oracles in the ogbench package:",
+            f"    python -m envs.ogbench_data generate --env {env_name} --episodes N --out DIR",
+            "and pass dataset_dir=DIR.",
+        ]
+    else:
+        lines += ["It cannot be generated locally: its data comes from a pretrained locomotion expert."]
+    return "\n".join(lines)
+
+
+def _read_compact(path, spec, env_name):
+    import ogbench
+
+    try:
+        data = ogbench.load_dataset(path, compact_dataset=True)
+    except Exception as e:  # truncated or foreign file: name it and the fix instead of a zipfile traceback
+        raise ValueError(
+            f"could not read OGBench dataset file {path} ({type(e).__name__}: {e}); "
+            f"delete it and download or regenerate {env_name}"
+        ) from e
+    obs, act = data["observations"], data["actions"]
+    if obs.ndim != 2 or obs.shape[1] != spec.obs_dim or act.ndim != 2 or act.shape[1] != spec.action_dim:
+        raise ValueError(
+            f"{path} has observations {obs.shape} and actions {act.shape}, but {env_name} needs "
+            f"obs dim {spec.obs_dim} and action dim {spec.action_dim}: wrong file?"
+        )
+    return data
+
+
+def load_dataset(
+    env_name, dataset_dir=None, dataset_path=None, device="cpu", with_val=False, download=True, gamma=GAMMA
+):
+    """Load an OGBench dataset as a GCDataset on `device` (and its -val split when with_val=True).
+
+    dataset_path: a local `<name>.npz` (its val file is `<name>-val.npz` beside it, ogbench's convention); no
+    download. Otherwise files are looked up in dataset_dir (default ~/.ogbench/data) and, when missing and
+    download=True, downloaded there by `ogbench.download_datasets`. A missing file raises FileNotFoundError that
+    says how to download or generate it.
+    Returns a GCDataset, or (train, val) when with_val=True.
+    """
+    spec = get_spec(env_name)
+    import ogbench
+
+    if dataset_path is not None:
+        train_path = os.path.expanduser(str(dataset_path))
+        val_path = train_path.replace(".npz", "-val.npz")
+        needed = [train_path, val_path] if with_val else [train_path]
+        missing = [p for p in needed if not os.path.exists(p)]
+        if missing:
+            raise FileNotFoundError(missing_dataset_message(env_name, missing, os.path.dirname(train_path) or "."))
+    else:
+        dataset_dir = os.path.expanduser(str(dataset_dir or DEFAULT_DATASET_DIR))
+        train_path = os.path.join(dataset_dir, f"{env_name}.npz")
+        val_path = os.path.join(dataset_dir, f"{env_name}-val.npz")
+        needed = [train_path, val_path] if with_val else [train_path]
+        missing = [p for p in needed if not os.path.exists(p)]
+        if missing and not download:
+            raise FileNotFoundError(missing_dataset_message(env_name, missing, dataset_dir))
+        if missing:
+            # ogbench's urlopen has no timeout: bound each socket read so a blocked network fails instead of hanging
+            old_timeout = socket.getdefaulttimeout()
+            socket.setdefaulttimeout(60)
+            try:
+                ogbench.download_datasets([env_name], dataset_dir)
+            except (urllib.error.URLError, OSError, ValueError) as e:  # no network, HTTP error, timeout, disk
+                raise FileNotFoundError(
+                    f"download failed ({type(e).__name__}: {e}).\n"
+                    + missing_dataset_message(env_name, missing, dataset_dir)
+                ) from e
+            finally:
+                socket.setdefaulttimeout(old_timeout)
+
+    train = GCDataset.from_ogbench(_read_compact(train_path, spec, env_name), spec, device, gamma)
+    if not with_val:
+        return train
+    val = GCDataset.from_ogbench(_read_compact(val_path, spec, env_name), spec, device, gamma)
+    return train, val
+
+
+def make_eval_env(env_name, **env_kwargs):
+    """The evaluation env of a dataset (no download): reset with options=dict(task_id=k) for k in 1..5."""
+    get_spec(env_name)
+    import ogbench
+
+    return ogbench.make_env_and_datasets(env_name, env_only=True, **env_kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generation with the package's oracles
+# ---------------------------------------------------------------------------------------------------------------
+
+ANTMAZE_MESSAGE = (
+    "{name}: antmaze data is collected by a pretrained ant locomotion expert (a SAC policy) that the ogbench package "
+    "does not ship, so it cannot be generated here. Download it instead:\n"
+    "    python -c \"import ogbench; ogbench.download_datasets(['{name}'])\"\n"
+    f"or fetch {OGBENCH_URL}/{{name}}.npz and {OGBENCH_URL}/{{name}}-val.npz into your dataset dir."
+)
+
+MANIP_NOISE, MANIP_NOISE_SMOOTHING = 0.1, 0.5  # PlanOracle noise of OGBench's 'play' datasets
+POINTMAZE_NOISE = 0.5  # Gaussian action noise of OGBench's pointmaze stitch data
+STITCH_CELLS = 4  # stitch goals are 4 maze cells (BFS steps) from the start cell
+
+_WORKER = {}  # per-process env and oracles, built once per worker
+
+
+def _worker_setup(env_name, episode_steps):
+    key = (env_name, episode_steps)
+    if _WORKER.get("key") == key:
+        return _WORKER
+    import gymnasium
+    import ogbench  # noqa: F401  (registers the envs)
+
+    spec = get_spec(env_name)
+    _WORKER.clear()
+    _WORKER["key"] = key
+    if spec.family == "manipulation":
+        from ogbench.manipspace.oracles.plan.button_plan import ButtonPlanOracle
+        from ogbench.manipspace.oracles.plan.cube_plan import CubePlanOracle
+        from ogbench.manipspace.oracles.plan.drawer_plan import DrawerPlanOracle
+        from ogbench.manipspace.oracles.plan.window_plan import WindowPlanOracle
+
+        env = gymnasium.make(
+            spec.env_id, terminate_at_goal=False, mode="data_collection", max_episode_steps=episode_steps
+        )
+        kw = dict(env=env, noise=MANIP_NOISE, noise_smoothing=MANIP_NOISE_SMOOTHING)
+        if env_name.startswith("cube"):
+            agents = {"cube": CubePlanOracle(**kw)}
+        elif env_name.startswith("scene"):
+            agents = {
+                "cube": CubePlanOracle(**kw),
+                "button": ButtonPlanOracle(**kw),
+                "drawer": DrawerPlanOracle(**kw),
+                "window": WindowPlanOracle(**kw),
+            }
+        else:  # puzzle: buttons only, pressed with a closed gripper
+            agents = {"button": ButtonPlanOracle(gripper_always_closed=True, **kw)}
+        _WORKER.update(env=env, agents=agents)
+    else:
+        env = gymnasium.make(spec.env_id, terminate_at_goal=False, max_episode_steps=episode_steps)
+        maze_map = env.unwrapped.maze_map
+        free = [(i, j) for i in range(maze_map.shape[0]) for j in range(maze_map.shape[1]) if maze_map[i, j] == 0]
+        _WORKER.update(env=env, maze_map=maze_map, free_cells=free)
+    return _WORKER
+
+
+def _cells_at_distance(maze_map, start, dist):
+    """Free cells exactly `dist` BFS steps from `start` (how OGBench picks stitch goals)."""
+    depth = {start: 0}
+    queue = [start]
+    out = []
+    while queue:
+        i, j = queue.pop(0)
+        for di, dj in [(-1, 0), (0, -1), (1, 0), (0, 1)]:
+            n = (i + di, j + dj)
+            if 0 <= n[0] < maze_map.shape[0] and 0 <= n[1] < maze_map.shape[1] and maze_map[n] == 0 and n not in depth:
+                depth[n] = depth[(i, j)] + 1
+                queue.append(n)
+                if depth[n] == dist:
+                    out.append(n)
+    return out
+
+
+def _manip_episode(w, env_name, seed):
+    env, agents = w["env"], w["agents"]
+    np.random.seed(seed % 2**32)  # the PlanOracles draw their plan noise from the global numpy RNG
+    reset_seed = seed
+    for _attempt in range(100):
+        ob, info = env.reset(seed=reset_seed)
+        reset_seed = None  # retries continue the env's RNG stream
+        # cube-double stacks with a per-episode probability in [0, 0.25] (OGBench); scene uses 0.5, puzzle ignores it
+        p_stack = np.random.uniform(0.0, 0.25) if env_name.startswith("cube") else 0.5
+        agent = agents[info["privileged/target_task"]]
+        agent.reset(ob, info)
+        ep = {"observations": [], "actions": [], "terminals": [], "qpos": [], "qvel": [], "button_states": []}
+        done = False
+        while not done:
+            action = np.clip(np.asarray(agent.select_action(ob, info)), -1, 1)
+            next_ob, _, terminated, truncated, info = env.step(action)
+            done = terminated or truncated
+            if agent.done:  # the oracle finished its task: pick a new target and the matching oracle
+                agent_ob, agent_info = env.unwrapped.set_new_target(p_stack=p_stack)
+                agent = agents[agent_info["privileged/target_task"]]
+                agent.reset(agent_ob, agent_info)
+            ep["observations"].append(ob)
+            ep["actions"].append(action)
+            ep["terminals"].append(done)
+            ep["qpos"].append(info["prev_qpos"])  # the state that produced `ob`
+            ep["qvel"].append(info["prev_qvel"])
+            if "prev_button_states" in info:
+                ep["button_states"].append(info["prev_button_states"])
+            ob = next_ob
+        if env_name.startswith("scene"):
+            # OGBench's health check: the cube must stay visible unless it is in the drawer, else retry the episode.
+            xyz = np.asarray(ep["qpos"])[:, 14:17]
+            too_right = (xyz[:, 1] >= 0.29).any()
+            too_left = ((xyz[:, 1] <= -0.3) & ((xyz[:, 2] < 0.06) | (xyz[:, 2] > 0.08))).any()
+            if too_right or too_left:
+                continue
+        if not ep["button_states"]:
+            del ep["button_states"]
+        return ep
+    raise RuntimeError(f"{env_name}: 100 unhealthy episodes in a row for seed {seed}")
+
+
+def _pointmaze_episode(w, seed):
+    env, maze_map, free = w["env"], w["maze_map"], w["free_cells"]
+    rng = np.random.default_rng(seed)
+    np.random.seed(seed % 2**32)  # the maze env adds start noise with the global numpy RNG
+    env.action_space.seed(seed)  # and takes a few random settling steps at reset
+    init_ij = free[rng.integers(len(free))]
+    candidates = _cells_at_distance(maze_map, init_ij, STITCH_CELLS)
+    goal_ij = candidates[rng.integers(len(candidates))] if candidates else init_ij
+    ob, _ = env.reset(seed=seed, options=dict(task_info=dict(init_ij=init_ij, goal_ij=goal_ij)))
+    u = env.unwrapped
+    ep = {"observations": [], "actions": [], "terminals": [], "qpos": [], "qvel": []}
+    done = False
+    while not done:
+        xy = u.get_xy()
+        subgoal_xy, _ = u.get_oracle_subgoal(xy, u.cur_goal_xy)
+        direction = (subgoal_xy - xy) / (np.linalg.norm(subgoal_xy - xy) + 1e-6)
+        action = np.clip(direction + rng.normal(0.0, POINTMAZE_NOISE, 2), -1, 1)
+        next_ob, _, terminated, truncated, info = env.step(action)
+        done = terminated or truncated
+        ep["observations"].append(ob)
+        ep["actions"].append(action)
+        ep["terminals"].append(done)
+        ep["qpos"].append(info["prev_qpos"])
+        ep["qvel"].append(info["prev_qvel"])
+        ob = next_ob
+    return ep
+
+
+def _collect_episode(task):
+    env_name, episode_steps, seed = task
+    w = _worker_setup(env_name, episode_steps)
+    if get_spec(env_name).family == "manipulation":
+        return _manip_episode(w, env_name, seed)
+    return _pointmaze_episode(w, seed)
+
+
+def _save_npz(path, episodes):
+    # OGBench's file layout: terminals bool, button_states int64, everything else float32.
+    arrays = {}
+    for k in episodes[0]:
+        dtype = bool if k == "terminals" else np.int64 if k == "button_states" else np.float32
+        arrays[k] = np.concatenate([np.asarray(ep[k], dtype=dtype) for ep in episodes])
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, **arrays)
+    os.replace(tmp, path)  # atomic: a killed run never leaves a half-written dataset under the real name
+
+
+def generate_dataset(
+    env_name,
+    out_dir,
+    episodes=None,
+    episode_steps=None,
+    seed=0,
+    workers=1,
+    val_fraction=0.1,
+    progress=True,
+):
+    """Collect `episodes` train episodes (+ val_fraction as many for -val) with the package's oracles.
+
+    Writes `<out_dir>/<env_name>.npz` and `<out_dir>/<env_name>-val.npz` in OGBench's layout. Episode e is seeded
+    from (seed, e) alone, so the result does not depend on the number of workers. Returns (train_path, val_path).
+    """
+    spec = get_spec(env_name)
+    if spec.family == "navigation" and not env_name.startswith("pointmaze"):
+        raise ValueError(ANTMAZE_MESSAGE.format(name=env_name))
+    episodes = spec.gen_episodes if episodes is None else episodes
+    episode_steps = spec.gen_episode_steps if episode_steps is None else episode_steps
+    if episodes < 1 or episode_steps < 2:
+        raise ValueError(f"need episodes >= 1 and episode_steps >= 2, got {episodes} and {episode_steps}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    n_val = max(1, round(episodes * val_fraction))  # ogbench's loader needs a non-empty -val file
+    total = episodes + n_val
+    seeds = [int(np.random.SeedSequence([seed, e]).generate_state(1)[0]) for e in range(total)]
+    tasks = [(env_name, episode_steps, s) for s in seeds]
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=f"generate {env_name}", unit="ep", disable=not progress)
+    results = []
+    if workers == 1:
+        for t in tasks:
+            results.append(_collect_episode(t))
+            bar.update(1)
+    else:
+        # spawn: fresh interpreters, so mujoco and torch state are never forked
+        with multiprocessing.get_context("spawn").Pool(min(workers, total)) as pool:
+            for ep in pool.imap(_collect_episode, tasks, chunksize=1):
+                results.append(ep)
+                bar.update(1)
+    bar.close()
+
+    os.makedirs(out_dir, exist_ok=True)
+    train_path = os.path.join(out_dir, f"{env_name}.npz")
+    val_path = os.path.join(out_dir, f"{env_name}-val.npz")
+    _save_npz(train_path, results[:episodes])
+    _save_npz(val_path, results[episodes:])
+    return train_path, val_path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m envs.ogbench_data", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="make an OGBench dataset locally with the package's oracles")
+    g.add_argument("--env", required=True, help=f"dataset name, one of: {', '.join(DATASETS)}")
+    g.add_argument("--out", default=os.path.expanduser(DEFAULT_DATASET_DIR), help="output directory")
+    g.add_argument("--episodes", type=int, default=None, help="train episodes (default: OGBench's 1000 or 5000)")
+    g.add_argument("--episode-steps", type=int, default=None, help="states per episode (default 1001, or 201)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes")
+    g.add_argument("--val-fraction", type=float, default=0.1, help="extra val episodes as a fraction of --episodes")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    args = parser.parse_args(argv)
+
+    try:
+        train_path, val_path = generate_dataset(
+            args.env,
+            args.out,
+            episodes=args.episodes,
+            episode_steps=args.episode_steps,
+            seed=args.seed,
+            workers=args.workers,
+            val_fraction=args.val_fraction,
+            progress=not args.no_progress,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {train_path} and {val_path}")
+    print(f"load with: envs.ogbench_data.load_dataset({args.env!r}, dataset_dir={args.out!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""envs/ogbench_data.py: generation round trip, OGBench goal sampling, clear errors. CPU, no network."""
+
+import os
+import subprocess
+import sys
+import urllib.error
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ogbench")
+import ogbench  # noqa: E402
+
+from envs import ogbench_data as od  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PM = "pointmaze-large-stitch-v0"
+CUBE = "cube-double-play-v0"
+PM_EPISODES, PM_STEPS = 6, 60
+CUBE_EPISODES, CUBE_STEPS = 2, 80
+TINY = [(PM, PM_EPISODES, PM_STEPS, 3), (CUBE, CUBE_EPISODES, CUBE_STEPS, 1)]  # name, episodes, steps, val eps
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    # generate once: tiny pointmaze (3 val episodes) and cube-double (1 val episode) datasets
+    out = tmp_path_factory.mktemp("ogbench")
+    od.generate_dataset(PM, str(out), PM_EPISODES, PM_STEPS, seed=0, workers=1, val_fraction=0.5, progress=False)
+    od.generate_dataset(CUBE, str(out), CUBE_EPISODES, CUBE_STEPS, seed=0, workers=1, progress=False)
+    return out
+
+
+def _synthetic(traj_lens, **kw):
+    """A GCDataset whose observation is its own index, so goals can be read back as indices."""
+    n = sum(traj_lens)
+    valids = np.ones(n, dtype=np.float32)
+    valids[np.cumsum(traj_lens) - 1] = 0.0
+    obs = np.arange(n, dtype=np.float32)[:, None]
+    return od.GCDataset(obs, np.zeros((n, 1), np.float32), valids, **kw)
+
+
+def _gen(seed=0):
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+# ----------------------------------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("name,episodes,steps,n_val", TINY)
+def test_files_load_through_ogbench(data_dir, name, episodes, steps, n_val):
+    spec = od.DATASETS[name]
+    path = str(data_dir / f"{name}.npz")
+    raw = np.load(path)
+    assert {"observations", "actions", "terminals", "qpos", "qvel"} <= set(raw.files)
+    assert raw["observations"].dtype == np.float32 and raw["actions"].dtype == np.float32
+    assert raw["terminals"].dtype == bool
+    assert raw["observations"].shape == (episodes * steps, spec.obs_dim)
+    assert raw["actions"].shape == (episodes * steps, spec.action_dim)
+    np.testing.assert_array_equal(np.nonzero(raw["terminals"])[0], np.arange(1, episodes + 1) * steps - 1)
+    assert np.abs(raw["actions"]).max() <= 1.0
+
+    # ogbench's own loader, regular and compact layouts (it also finds the -val file itself)
+    env, train, val = ogbench.make_env_and_datasets(name, dataset_path=path)
+    assert env.observation_space.shape == (spec.obs_dim,)
+    assert train["observations"].shape == (episodes * (steps - 1), spec.obs_dim)
+    assert train["next_observations"].shape == train["observations"].shape
+    np.testing.assert_array_equal(train["next_observations"][: steps - 2], raw["observations"][1 : steps - 1])
+    assert val["observations"].shape == (n_val * (steps - 1), spec.obs_dim)
+    _, train_c, _ = ogbench.make_env_and_datasets(name, dataset_path=path, compact_dataset=True)
+    assert train_c["valids"].sum() == episodes * (steps - 1)
+
+
+@pytest.mark.parametrize("name,episodes,steps,n_val", TINY)
+def test_load_dataset(data_dir, name, episodes, steps, n_val):
+    train, val = od.load_dataset(name, dataset_dir=str(data_dir), with_val=True, download=False)
+    same = od.load_dataset(name, dataset_path=str(data_dir / f"{name}.npz"))
+    raw = np.load(data_dir / f"{name}.npz")
+    for ds in (train, same):
+        assert ds.size == episodes * steps and ds.num_valid == episodes * (steps - 1)
+        assert ds.num_trajectories == episodes
+        assert ds.observations.dtype == torch.float32 and ds.actions.dtype == torch.float32
+        assert ds.observations.device.type == "cpu"
+        np.testing.assert_array_equal(ds.observations.numpy(), raw["observations"])
+        ends = np.arange(1, episodes + 1) * steps - 1
+        np.testing.assert_array_equal(np.nonzero(ds.valids.numpy() == 0)[0], ends)
+        # the last valid index of each trajectory, and trajectory ids, for every valid index
+        v = ds.valid_idxs.numpy()
+        np.testing.assert_array_equal(ds.final_idxs.numpy()[v], (v // steps + 1) * steps - 2)
+        np.testing.assert_array_equal(ds.traj_ids.numpy(), np.arange(ds.size) // steps)
+    assert val.num_trajectories == n_val and val.size == n_val * steps
+
+
+def test_generation_is_seeded_and_worker_independent(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    od.generate_dataset(PM, str(a), 3, 30, seed=1, workers=1, progress=False)
+    od.generate_dataset(PM, str(b), 3, 30, seed=1, workers=2, progress=False)
+    od.generate_dataset(PM, str(c), 3, 30, seed=2, workers=1, progress=False)
+    fa, fb, fc = (np.load(d / f"{PM}.npz") for d in (a, b, c))
+    for k in fa.files:
+        np.testing.assert_array_equal(fa[k], fb[k])
+    assert not np.array_equal(fa["observations"], fc["observations"])
+    # the stitch oracle moves: actions are clipped unit directions plus noise, positions change
+    assert np.abs(np.diff(fa["observations"], axis=0)).max() > 0.05
+
+
+@pytest.mark.parametrize("name", ["scene-play-v0", "puzzle-4x4-play-v0"])
+def test_generate_scene_and_puzzle_smoke(tmp_path, name):
+    od.generate_dataset(name, str(tmp_path), 1, 30, seed=0, workers=1, progress=False)
+    raw = np.load(tmp_path / f"{name}.npz")
+    assert raw["button_states"].dtype == np.int64
+    ds = od.load_dataset(name, dataset_dir=str(tmp_path), download=False)
+    assert ds.obs_dim == od.DATASETS[name].obs_dim and ds.num_valid == 29
+
+
+def test_table_matches_eval_envs():
+    for name in [PM, "antmaze-medium-stitch-v0", CUBE]:
+        spec = od.DATASETS[name]
+        env = od.make_eval_env(name)
+        assert env.observation_space.shape == (spec.obs_dim,)
+        assert env.action_space.shape == (spec.action_dim,)
+        assert env.spec.max_episode_steps == spec.episode_limit
+    assert set(od.DATASETS) == {
+        "scene-play-v0",
+        "cube-double-play-v0",
+        "puzzle-4x4-play-v0",
+        "antmaze-medium-stitch-v0",
+        "pointmaze-large-stitch-v0",
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------- sampler
+
+
+def test_sampler_on_generated_data(data_dir):
+    ds = od.load_dataset(PM, dataset_dir=str(data_dir), download=False)
+    n = 200_000
+    b = ds.sample(n, _gen(0), return_goal_kind=True)
+    idx, vg, ag = b["idxs"], b["value_goal_idxs"], b["actor_goal_idxs"]
+    vk, ak = b["value_goal_kinds"], b["actor_goal_kinds"]
+    for k in ["observations", "actions", "next_observations", "value_goals", "actor_goals", "rewards", "masks"]:
+        assert b[k].dtype == torch.float32 and b[k].shape[0] == n
+
+    # goal-type frequencies: value 0.2 / 0.5 / 0.3, actor (navigation) 0 / 0.5 / 0.5
+    vfreq = torch.bincount(vk, minlength=3).float() / n
+    afreq = torch.bincount(ak, minlength=3).float() / n
+    assert torch.allclose(vfreq, torch.tensor([0.2, 0.5, 0.3]), atol=0.01), vfreq
+    assert torch.allclose(afreq, torch.tensor([0.0, 0.5, 0.5]), atol=0.01), afreq
+
+    # transitions never cross a trajectory boundary
+    assert (ds.valids[idx] == 1).all()
+    assert (ds.traj_ids[idx] == ds.traj_ids[idx + 1]).all()
+    assert torch.equal(b["next_observations"], ds.observations[idx + 1])
+    assert torch.equal(b["observations"], ds.observations[idx])
+    assert torch.equal(b["value_goals"], ds.observations[vg])
+    assert torch.equal(b["actor_goals"], ds.observations[ag])
+
+    # current goals are the current index; trajectory goals stay in the trajectory, ahead, at most its last valid
+    # state; random goals are valid states
+    final = ds.final_idxs[idx]
+    for goals, kinds in [(vg, vk), (ag, ak)]:
+        assert (goals[kinds == od.GOAL_CURRENT] == idx[kinds == od.GOAL_CURRENT]).all()
+        t = kinds == od.GOAL_TRAJECTORY
+        assert (ds.traj_ids[goals[t]] == ds.traj_ids[idx[t]]).all()
+        assert (goals[t] >= torch.minimum(idx[t] + 1, final[t])).all() and (goals[t] <= final[t]).all()
+        assert (ds.valids[goals[kinds == od.GOAL_RANDOM]] == 1).all()
+    # geometric offsets get clipped at the last valid index with short trajectories
+    assert (vg[vk == od.GOAL_TRAJECTORY] == final[vk == od.GOAL_TRAJECTORY]).any()
+
+    # OGBench rewards/masks: success iff value goal index == current index
+    success = (idx == vg).float()
+    assert torch.equal(b["rewards"], success - 1.0) and torch.equal(b["masks"], 1.0 - success)
+    assert set(b["rewards"].unique().tolist()) <= {0.0, -1.0}
+    assert (success[vk == od.GOAL_CURRENT] == 1).all()
+    assert torch.equal(b["value_goals"][success == 1], b["observations"][success == 1])
+
+
+def test_value_offsets_are_geometric_in_gamma():
+    ds = _synthetic([30_000, 30_000, 30_000], gamma=0.99)
+    b = ds.sample(400_000, _gen(1), return_goal_kind=True)
+    idx, vg, vk = b["idxs"], b["value_goal_idxs"], b["value_goal_kinds"]
+    # observation == index, so goals can be read off the batch itself
+    assert torch.equal(b["value_goals"][:, 0].long(), vg)
+    # rows far from the end are never clipped (P(offset > 3000) ~ 1e-13), so their offsets are pure Geometric(0.01)
+    far = (vk == od.GOAL_TRAJECTORY) & (ds.final_idxs[idx] - idx >= 3000)
+    off = (vg - idx)[far].double()
+    assert far.sum() > 150_000 and off.min() >= 1
+    assert abs(off.mean().item() - 100.0) < 1.5  # mean 1/(1-gamma)
+    gamma_hat = 1.0 - 1.0 / off.mean().item()
+    assert abs(gamma_hat - 0.99) < 2e-4
+    for k in [1, 10, 50, 100, 300]:
+        assert abs((off <= k).double().mean().item() - (1 - 0.99**k)) < 0.006, k
+    # P(offset = j+1) / P(offset = j) = gamma: compare mass of [1, 50] with [51, 100]
+    ratio = ((off > 50) & (off <= 100)).double().sum() / (off <= 50).double().sum()
+    assert abs(ratio.item() - 0.99**50) < 0.02
+
+
+def test_actor_trajectory_goals_uniform_for_manipulation():
+    spec = od.DATASETS[CUBE]
+    ds = _synthetic(
+        [2000, 3000, 1001],
+        actor_p_curgoal=spec.actor_p_curgoal,
+        actor_p_trajgoal=spec.actor_p_trajgoal,
+        actor_p_randomgoal=spec.actor_p_randomgoal,
+        actor_geom_sample=spec.actor_geom_sample,
+    )
+    b = ds.sample(200_000, _gen(2), return_goal_kind=True)
+    idx, ag = b["idxs"], b["actor_goal_idxs"]
+    assert (b["actor_goal_kinds"] == od.GOAL_TRAJECTORY).all()
+    final = ds.final_idxs[idx]
+    lo = torch.minimum(idx + 1, final)
+    assert (ag >= lo).all() and (ag <= final).all()
+    assert (ds.traj_ids[ag] == ds.traj_ids[idx]).all()
+    keep = final - lo >= 200  # long enough that the integer grid does not matter
+    frac = ((ag - lo).double() / (final - lo).double())[keep]
+    for q in [0.1, 0.25, 0.5, 0.75, 0.9]:
+        assert abs((frac <= q).double().mean().item() - q) < 0.01
+
+
+def test_sampler_seeded_and_edge_of_trajectory():
+    ds = _synthetic([5, 3, 7])
+    a, b = ds.sample(64, _gen(3)), ds.sample(64, _gen(3))
+    for k in a:
+        assert torch.equal(a[k], b[k])
+    # at a trajectory's last valid state every trajectory goal is that state itself (OGBench clipping) -> success
+    out = ds.sample(20_000, _gen(4), return_goal_kind=True)
+    at_end = (out["idxs"] == ds.final_idxs[out["idxs"]]) & (out["value_goal_kinds"] == od.GOAL_TRAJECTORY)
+    assert at_end.any() and (out["rewards"][at_end] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------------ bad input
+
+
+def _assert_says_download_and_generate(msg, name):
+    assert "download_datasets" in msg and "rail.eecs.berkeley.edu" in msg
+    assert f"python -m envs.ogbench_data generate --env {name}" in msg
+
+
+def test_missing_dataset_clear_error(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError) as e:
+        od.load_dataset(CUBE, dataset_dir=str(tmp_path), download=False)
+    _assert_says_download_and_generate(str(e.value), CUBE)
+
+    with pytest.raises(FileNotFoundError) as e:
+        od.load_dataset(PM, dataset_path=str(tmp_path / "nope.npz"))
+    _assert_says_download_and_generate(str(e.value), PM)
+
+    # a failed download (no network) becomes the same clear error; never touches the network here
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(ogbench, "download_datasets", offline)
+    with pytest.raises(FileNotFoundError) as e:
+        od.load_dataset(CUBE, dataset_dir=str(tmp_path))
+    assert "download failed" in str(e.value)
+    _assert_says_download_and_generate(str(e.value), CUBE)
+
+
+def test_unknown_and_corrupt(tmp_path, data_dir):
+    with pytest.raises(ValueError, match="supported: .*scene-play-v0"):
+        od.load_dataset("cube-single-play-v0", dataset_dir=str(tmp_path))
+    bad = tmp_path / f"{CUBE}.npz"
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="could not read"):
+        od.load_dataset(CUBE, dataset_path=str(bad))
+    # a file of another dataset is caught by its shapes
+    with pytest.raises(ValueError, match="obs dim 37"):
+        od.load_dataset(CUBE, dataset_path=str(data_dir / f"{PM}.npz"))
+
+
+def test_antmaze_generate_refuses(tmp_path):
+    with pytest.raises(ValueError, match="pretrained"):
+        od.generate_dataset("antmaze-medium-stitch-v0", str(tmp_path), 1, 10, progress=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "envs.ogbench_data", "generate"]
+        + ["--env", "antmaze-medium-stitch-v0", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert r.returncode != 0
+    assert "pretrained" in r.stderr and "download_datasets(['antmaze-medium-stitch-v0'])" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not any(tmp_path.iterdir())
