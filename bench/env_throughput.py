@@ -76,5 +76,8 @@ if __name__ == "__main__":
     for variant in args.variants:
         for num_envs in args.num_envs:
             for mode in modes:
-                result = measure(variant, num_envs, args.device, args.steps, mode, args.steps_per_graph)
+                try:
+                    result = measure(variant, num_envs, args.device, args.steps, mode, args.steps_per_graph)
+                except Exception as error:  # one failing mode should not hide the others' numbers
+                    result = dict(variant=variant, num_envs=num_envs, mode=mode, error=repr(error)[:300])
                 print(json.dumps({**result, "device": card, "torch": torch.__version__}), flush=True)

@@ -215,8 +215,11 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
         self.allowed = torch.ones(n, NUM_CELLS, dtype=torch.bool, device=self.device)  # quarter filter region
 
     # ----- task generators -----
-    def _random_permutations(self, n, size):
-        return torch.rand(n, size, generator=self.generator, device=self.device).argsort(dim=1)
+    def _smallest(self, n, size, k):
+        """Per row, a bool mask of the k cells that draw the smallest uniform numbers: a uniformly
+        random k-subset, ordered by draw (topk is much cheaper than a full shuffle)."""
+        draws = torch.rand(n, size, generator=self.generator, device=self.device)
+        return draws, torch.topk(draws, k, dim=1, largest=False).values
 
     def sample_tasks(self, n):
         """n fresh tasks: (box, target) planes (n, 36), agent start cell (n,), allowed region (n, 36)."""
@@ -227,11 +230,13 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
     def _sample_generalize(self, n):
         num_boxes = self.settings["num_boxes"]
         num_moving = num_boxes if self.split == "unseen" else self.settings["num_moving"]
-        rank = self._random_permutations(n, NUM_CELLS).argsort(dim=1)  # rank of each cell in a shuffle
-        # The first num_boxes cells of the shuffle hold boxes; the first (num_boxes - num_moving)
-        # of those already sit on targets; the next num_moving cells are the free targets.
-        box = rank < num_boxes
-        target = (rank < num_boxes - num_moving) | ((rank >= num_boxes) & (rank < num_boxes + num_moving))
+        # Shuffle the cells: the first num_boxes hold boxes, the first (num_boxes - num_moving) of those
+        # already sit on targets, and the next num_moving cells are the free targets.
+        draws, smallest = self._smallest(n, NUM_CELLS, num_boxes + num_moving)
+        def first(k):  # the first k cells of the shuffle
+            return draws <= smallest[:, k - 1:k] if k > 0 else torch.zeros_like(draws, dtype=torch.bool)
+        box = first(num_boxes)
+        target = first(num_boxes - num_moving) | (first(num_boxes + num_moving) & ~box)
         agent_start = torch.randint(NUM_CELLS, (n,), generator=self.generator, device=self.device)
         allowed = torch.ones(n, NUM_CELLS, dtype=torch.bool, device=self.device)
         return box, target, agent_start, allowed
@@ -242,12 +247,12 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
                                                   device=self.device)]
         box_cells = self._quadrant_cells[pair[:, 0]]  # (n, 9)
         target_cells = self._quadrant_cells[pair[:, 1]]
-        box_order = self._random_permutations(n, 9)
-        target_order = self._random_permutations(n, 9)
+        box_draws, box_smallest = self._smallest(n, 9, num_boxes)
+        target_draws, target_smallest = self._smallest(n, 9, num_boxes)
         box = torch.zeros(n, NUM_CELLS, dtype=torch.bool, device=self.device)
         target = torch.zeros_like(box)
-        box.scatter_(1, box_cells.gather(1, box_order[:, :num_boxes]), True)
-        target.scatter_(1, target_cells.gather(1, target_order[:, :num_boxes]), True)
+        box.scatter_(1, box_cells, box_draws <= box_smallest[:, -1:])
+        target.scatter_(1, target_cells, target_draws <= target_smallest[:, -1:])
         agent_start = box_cells.gather(1, torch.randint(9, (n, 1), generator=self.generator, device=self.device))[:, 0]
         allowed = torch.zeros_like(box)
         allowed.scatter_(1, box_cells, True)
@@ -259,9 +264,7 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
 
     def _build(self, box, target, agent_start, carrying):
         """Full grid and agent-view goal from flag planes."""
-        n = box.shape[0]
-        agent = torch.zeros_like(box)
-        agent[torch.arange(n, device=box.device), agent_start] = True
+        agent = torch.arange(NUM_CELLS, device=box.device) == agent_start[:, None]
         carry_plane = agent & carrying[:, None]
         grid = encode(box, target, agent, carry_plane)
         # Solved grid: boxes on exactly the targets, agent at its start, not carrying.
