@@ -1,0 +1,715 @@
+"""FlexLoop post-training of an IRU GC-DQN on BoxPick (one file, CleanRL style).
+
+    python flexloop_gcdqn.py --lambda-depth 1.0                        # pretrain IRU-5, then FlexLoop
+    python flexloop_gcdqn.py --init-checkpoint runs/X/pretrained.pt   # FlexLoop from a pretrained IRU-5
+
+The loss is GC-DQN's TD loss at the full depth K plus
+    lambda_depth * mean_{k<K} KL(sg[pi_{k+1}] || pi_k),   pi_k = softmax(Q_k / tau),
+where Q_k is the ensemble-mean Q-value read out after k recurrent steps (REFERENCE.md §1, §2).
+"""
+
+import json
+import math
+import os
+import random
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from tqdm.auto import tqdm
+
+import envs
+from envs.boxpick import NUM_ACTIONS, NUM_CELLS, goal_reached
+
+ALGORITHM = "gcdqn"
+CHECKPOINT_FORMAT = "flexloop-checkpoint-v1"
+
+
+@dataclass
+class Args:
+    exp_name: str = "flexloop_gcdqn"
+    """the name of this experiment (part of the run name)"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """sets `torch.backends.cudnn.deterministic`"""
+    cuda: bool = True
+    """use CUDA when it is available (an error if asked for explicitly with --cuda and absent: see `require_cuda`)"""
+    require_cuda: bool = False
+    """fail instead of falling back to CPU when no GPU is present"""
+    track: bool = False
+    """log to Weights & Biases (honours WANDB_MODE=offline)"""
+    wandb_project_name: str = "flexloop"
+    """the W&B project"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team)"""
+    wandb_group: Optional[str] = None
+    """the W&B group, to compare the runs of one study"""
+    wandb_tags: tuple[str, ...] = ()
+    """W&B tags"""
+    run_dir: str = "runs"
+    """runs are written to <run_dir>/<run_name>/ (metrics.jsonl, checkpoints)"""
+    resume: Optional[str] = None
+    """continue the run whose checkpoint is at this path (its run folder and W&B id are reused)"""
+    init_checkpoint: Optional[str] = None
+    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining)"""
+
+    # Environment
+    env_id: str = "BoxPick-Exact-4-v0"
+    """BoxPick-Exact-3-v0, BoxPick-Exact-4-v0, BoxPick-Generalize-4-1-v0 or BoxPick-Generalize-4-2-v0"""
+    episode_length: int = 100
+    """steps per episode (episodes never end early on success)"""
+    quarter_filter: bool = False
+    """truncate training episodes when the agent leaves the two quadrants' bounding box (Exact only)"""
+
+    # IRU Q-network
+    depth: int = 5
+    """K, the number of recurrent steps of the IRU"""
+    hidden_dim: int = 256
+    """IRU width d"""
+    num_critics: int = 2
+    """ensemble size"""
+    iru_variant: Literal["residual", "paper"] = "residual"
+    """residual: the public code (gates and head read h = sum tanh(c)); paper: the paper's equation (tanh(c), c)"""
+
+    # GC-DQN
+    learning_rate: float = 3e-4
+    """Adam learning rate (critic and temperature)"""
+    gamma: float = 0.99
+    """discount"""
+    tau: float = 0.005
+    """Polyak rate of the target network, applied every update"""
+    init_alpha: float = 1.0
+    """initial exploration temperature alpha (actions ~ softmax(Q / alpha))"""
+    target_entropy: float = -1.1
+    """alpha's loss is (H + target_entropy)^2: drives the policy entropy to -target_entropy nats"""
+    num_envs: int = 1024
+    """parallel envs; each interval collects one episode per env"""
+    batch_size: int = 1024
+    """transitions per update, one from each of batch_size distinct envs"""
+    updates_per_rollout: int = 1000
+    """gradient updates after each collected episode"""
+    intervals_per_epoch: int = 100
+    """collect + update rounds per epoch"""
+    pretrain_epochs: int = 50
+    """IRU-K pretraining epochs (lambda = 0) when no --init-checkpoint is given"""
+    num_epochs: int = 10
+    """FlexLoop post-training epochs"""
+    replay_episodes: int = 100
+    """episodes kept per env (100 x 100 steps = the reference's 10,000 steps per env)"""
+    future_goal_fraction: float = 0.5
+    """share of the batch relabelled with a future state of its episode (the rest: another sample's state)"""
+    future_discount: float = 0.99
+    """future-goal offsets j > 0 have probability proportional to future_discount^j"""
+
+    # FlexLoop
+    lambda_depth: float = 1.0
+    """weight of the adjacent-depth KL (0 = plain IRU-K training)"""
+    policy_temperature: float = 0.25
+    """tau in pi_k = softmax(Q_k / tau)"""
+
+    # Evaluation, logging, speed
+    eval_every: int = 100
+    """evaluate every depth on both splits every this many intervals (and at the end)"""
+    num_eval_envs: int = 1024
+    """envs per split for evaluation (one episode each)"""
+    log_every: int = 10
+    """log training metrics every this many intervals"""
+    save_every: int = 10
+    """write the latest checkpoint every this many intervals"""
+    compile: bool = False
+    """torch.compile the update (pays off on GPU)"""
+    cuda_graph: bool = True
+    """capture one update (sampling included) in a CUDA graph and replay it (GPU only)"""
+
+
+def check_args(args: Args):
+    """Refuse bad flags before any work starts, naming the fix."""
+    if args.depth < 2:
+        raise ValueError(f"--depth must be at least 2 for FlexLoop's adjacent-depth loss, got {args.depth}")
+    if args.lambda_depth < 0:
+        raise ValueError(f"--lambda-depth must be >= 0, got {args.lambda_depth}")
+    if args.policy_temperature <= 0:
+        raise ValueError(f"--policy-temperature must be > 0, got {args.policy_temperature}")
+    if args.env_id not in envs.BOXPICK_IDS:
+        raise ValueError(f"--env-id {args.env_id!r} is not a BoxPick env; choose one of {list(envs.BOXPICK_IDS)}")
+    for name in ["num_envs", "batch_size", "updates_per_rollout", "intervals_per_epoch", "replay_episodes",
+                 "num_eval_envs", "eval_every", "log_every", "save_every", "hidden_dim", "num_critics",
+                 "episode_length"]:
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.batch_size > args.num_envs:
+        raise ValueError(f"--batch-size {args.batch_size} exceeds --num-envs {args.num_envs}: each batch takes one "
+                         "transition from each of batch_size distinct envs; lower --batch-size or raise --num-envs")
+    if not 0 <= args.future_goal_fraction <= 1:
+        raise ValueError("--future-goal-fraction must lie in [0, 1]")
+    if args.pretrain_epochs < 0 or args.num_epochs < 0:
+        raise ValueError("--pretrain-epochs and --num-epochs must be >= 0")
+    if args.require_cuda and not torch.cuda.is_available():
+        raise RuntimeError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
+    if args.resume and args.init_checkpoint:
+        raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# IRU Q-network: an ensemble of IRUs evaluated as one batched matmul per layer.
+# ---------------------------------------------------------------------------------------------------------
+class EnsembleLinear(nn.Module):
+    """num_members independent Linear layers applied to (members, rows, in_features)."""
+
+    def __init__(self, num_members, in_features, out_features):
+        super().__init__()
+        bound = 1 / math.sqrt(in_features)  # nn.Linear's default init
+        self.weight = nn.Parameter(torch.empty(num_members, in_features, out_features).uniform_(-bound, bound))
+        self.bias = nn.Parameter(torch.empty(num_members, 1, out_features).uniform_(-bound, bound))
+
+    def forward(self, x):
+        return torch.baddbmm(self.bias, x, self.weight)
+
+
+class EnsembleLayerNorm(nn.Module):
+    def __init__(self, num_members, features):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(num_members, 1, features))
+        self.bias = nn.Parameter(torch.zeros(num_members, 1, features))
+
+    def forward(self, x):
+        return F.layer_norm(x, x.shape[-1:]) * self.weight + self.bias
+
+
+class IRUQNetwork(nn.Module):
+    """Q(s, g, a) read out after each of K recurrent steps of an IRU, for an ensemble of critics.
+
+        x_emb = LayerNorm(Linear(concat[obs, goal, onehot(a)]))
+        z     = LayerNorm(concat[x_emb, h])            (paper variant: concat[x_emb, tanh(c)])
+        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))
+        c     = f * c + (1 - f) * i
+        h     = h + tanh(c)                              (residual across steps)
+        Q_k   = Head(h)                                  (paper variant: Head(c))
+
+    All 6 actions of a state go through at once: the embedding's action part is a row of the weight, so
+    Linear(concat[s, g, onehot(a)]) = Linear_sg(concat[s, g]) + W_a[a], computed once per state.
+
+    Depth protocol (shared with the other scripts and eval_adaptive.py):
+        state = start(obs, goal)          depth 0, zero recurrent state
+        state = advance(state)            depth k -> k + 1
+        logits = decide(state)            pi_k's logits, Q_k / tau
+        all_depths(obs, goal)             Q of every depth at once, (K, critics, batch, actions)
+        divergence(p_logits, q_logits)    KL(p || q) per row: the training loss and delta_k at inference
+        gather(state, rows)               the recurrent state of some batch rows (adaptive inference)
+        act(logits, generator)            actions from pi_k's logits, sampled as in training
+    The state is a tuple of tensors shaped (critics, batch, actions, d).
+    """
+
+    def __init__(self, depth=5, hidden_dim=256, num_critics=2, variant="residual", policy_temperature=0.25,
+                 init_alpha=1.0, obs_dim=NUM_CELLS, num_actions=NUM_ACTIONS):
+        super().__init__()
+        self.depth, self.hidden_dim, self.num_critics, self.variant = depth, hidden_dim, num_critics, variant
+        self.num_actions, self.policy_temperature = num_actions, policy_temperature
+        self.embed = EnsembleLinear(num_critics, 2 * obs_dim + num_actions, hidden_dim)
+        self.embed_norm = EnsembleLayerNorm(num_critics, hidden_dim)
+        self.gate_norm = EnsembleLayerNorm(num_critics, 2 * hidden_dim)
+        self.gates = EnsembleLinear(num_critics, 2 * hidden_dim, 2 * hidden_dim)  # forget and input, one matmul
+        with torch.no_grad():
+            self.gates.bias[..., :hidden_dim] = 1.0  # forget-gate bias +1: remember by default
+        self.head = EnsembleLinear(num_critics, hidden_dim, 1)
+        # The exploration temperature travels with the network so evaluation acts exactly as training did.
+        self.log_alpha = nn.Parameter(torch.tensor(math.log(init_alpha)))
+
+    def start(self, obs, goal):
+        batch = obs.shape[0]
+        state_goal = torch.cat([obs, goal], -1).float()  # the codes as numbers, as in the reference
+        sg_weight, action_weight = self.embed.weight[:, :-self.num_actions], self.embed.weight[:, -self.num_actions:]
+        x = torch.baddbmm(self.embed.bias, state_goal.expand(self.num_critics, -1, -1), sg_weight)  # (E, B, d)
+        x = x[:, :, None, :] + action_weight[:, None, :, :]  # (E, B, A, d)
+        x_emb = self.embed_norm(x.reshape(self.num_critics, -1, self.hidden_dim)).view_as(x)
+        zeros = torch.zeros_like(x_emb)
+        return x_emb, zeros, zeros  # (x_emb, c, h)
+
+    def advance(self, state):
+        x_emb, c, h = state
+        shape = x_emb.shape
+        flat = lambda t: t.reshape(self.num_critics, -1, self.hidden_dim)  # noqa: E731
+        carried = h if self.variant == "residual" else torch.tanh(c)
+        z = self.gate_norm(torch.cat([flat(x_emb), flat(carried)], -1))
+        forget_logits, input_logits = self.gates(z).chunk(2, -1)
+        forget, candidate = torch.sigmoid(forget_logits), torch.tanh(input_logits)
+        c = (forget * flat(c) + (1 - forget) * candidate).view(shape)
+        h = h + torch.tanh(c)
+        return x_emb, c, h
+
+    def q_values(self, state):
+        """Q of the current depth for every critic: (E, B, A)."""
+        x_emb, c, h = state
+        readout = h if self.variant == "residual" else c
+        return self.head(readout.reshape(self.num_critics, -1, self.hidden_dim)).view(readout.shape[:-1])
+
+    def decide(self, state):
+        return self.q_values(state).mean(0) / self.policy_temperature
+
+    def all_depths(self, obs, goal):
+        state = self.start(obs, goal)
+        q_per_depth = []
+        for _ in range(self.depth):
+            state = self.advance(state)
+            q_per_depth.append(self.q_values(state))
+        return torch.stack(q_per_depth)  # (K, E, B, A)
+
+    @staticmethod
+    def divergence(p_logits, q_logits):
+        """KL(p || q) between the categorical policies softmax(p_logits) and softmax(q_logits), per row."""
+        p_log = F.log_softmax(p_logits, -1)
+        return (p_log.exp() * (p_log - F.log_softmax(q_logits, -1))).sum(-1)
+
+    @staticmethod
+    def gather(state, rows):
+        return tuple(t[:, rows] for t in state)
+
+    def act(self, logits, generator=None):
+        """Sample from softmax(Q / alpha), the training-time exploration policy (Gumbel-max, no host sync)."""
+        q = logits * self.policy_temperature
+        uniform = torch.rand(q.shape, generator=generator, device=q.device).clamp_(1e-12, 1.0)
+        return (q / self.log_alpha.exp() - torch.log(-torch.log(uniform))).argmax(-1)
+
+
+def flexloop_depth_loss(q_per_depth, policy_temperature):
+    """mean_{k=1..K-1} KL(sg[pi_{k+1}] || pi_k) with pi_k = softmax(mean_critics Q_k / tau).
+
+    The deeper policy is the target (detached), so only the shallower depth moves towards it."""
+    logits = q_per_depth.mean(1) / policy_temperature  # (K, B, A)
+    kl = IRUQNetwork.divergence(logits[1:].detach(), logits[:-1])  # (K-1, B)
+    return kl.mean()
+
+
+def td_target(target_q_next, rewards, gamma):
+    """r + gamma * max_a' mean_critics Q_target(s', g, a'), from the full-depth target Q (E, B, A)."""
+    return rewards + gamma * target_q_next.mean(0).max(-1).values
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Replay: per-env trajectories on the device, relabelled with future and random goals.
+# ---------------------------------------------------------------------------------------------------------
+class TrajectoryReplay:
+    """Episodes stored per env as int8 grids: observations (envs, episodes, L + 1, 36) and actions.
+
+    A batch takes batch_size distinct envs and one transition (episode, t) from each. Goals are relabelled:
+    a future_goal_fraction of rows take the state at t + j of the same episode, j >= 1 with probability
+    proportional to future_discount^j (truncated at the episode's end); the rest take another row's
+    current state. Rewards are recomputed against the new goal with the env's own rule.
+    """
+
+    def __init__(self, num_envs, episodes, episode_length, device, future_goal_fraction=0.5, future_discount=0.99):
+        self.num_envs, self.capacity, self.episode_length, self.device = num_envs, episodes, episode_length, device
+        self.future_goal_fraction, self.future_discount = future_goal_fraction, future_discount
+        self.observations = torch.zeros(num_envs, episodes, episode_length + 1, NUM_CELLS, dtype=torch.int8,
+                                        device=device)
+        self.actions = torch.zeros(num_envs, episodes, episode_length, dtype=torch.int8, device=device)
+        self.lengths = torch.zeros(num_envs, episodes, dtype=torch.long, device=device)  # valid transitions
+        self.episodes_stored = torch.zeros((), dtype=torch.long, device=device)  # a tensor: read inside graphs
+        self.next_slot = 0
+
+    def add(self, observations, actions, lengths):
+        """One episode per env: observations (envs, L + 1, 36), actions (envs, L), lengths (envs,)."""
+        self.observations[:, self.next_slot] = observations
+        self.actions[:, self.next_slot] = actions
+        self.lengths[:, self.next_slot] = lengths
+        self.next_slot = (self.next_slot + 1) % self.capacity
+        self.episodes_stored.clamp_(max=self.capacity - 1).add_(1)
+
+    def sample(self, batch_size, generator):
+        device = self.device
+        env = torch.rand(self.num_envs, generator=generator, device=device).argsort()[:batch_size]  # distinct
+        episode = (torch.rand(batch_size, generator=generator, device=device) * self.episodes_stored).long()
+        length = self.lengths[env, episode]
+        t = (torch.rand(batch_size, generator=generator, device=device) * length).long()
+        obs = self.observations[env, episode, t]
+        next_obs = self.observations[env, episode, t + 1]
+        action = self.actions[env, episode, t].long()
+
+        # Future offsets: truncated geometric on 1..(length - t) by inverse CDF.
+        horizon = (length - t).float()
+        q = self.future_discount
+        u = torch.rand(batch_size, generator=generator, device=device)
+        offset = 1 + torch.floor(torch.log1p(-u * (1 - q ** horizon)) / math.log(q))
+        offset = torch.minimum(offset, horizon).long()
+        future_goal = self.observations[env, episode, t + offset]
+        # Random goals: the current state of another row (a shift of 1..B-1 never lands on itself).
+        shift = torch.randint(1, max(batch_size, 2), (1,), generator=generator, device=device)
+        other_goal = obs[(torch.arange(batch_size, device=device) + shift) % batch_size]
+        use_future = torch.arange(batch_size, device=device) < round(self.future_goal_fraction * batch_size)
+        goal = torch.where(use_future[:, None], future_goal, other_goal)
+        reward = goal_reached(next_obs, goal)
+        return dict(obs=obs, action=action, next_obs=next_obs, goal=goal, reward=reward,
+                    env=env, episode=episode, t=t, offset=offset, use_future=use_future)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Collection and per-depth evaluation
+# ---------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def act_at_depth(network, obs, goal, depth, generator):
+    state = network.start(obs, goal)
+    for _ in range(depth):
+        state = network.advance(state)
+    return network.act(network.decide(state), generator)
+
+
+@torch.no_grad()
+def run_episode(network, env, depth, generator):
+    """One episode in every env from a fresh reset, acting at `depth`. Returns the trajectories and the
+    end-of-episode statistics as device tensors (no host sync)."""
+    obs, _ = env.reset()
+    observations, actions = [obs["observation"]], []
+    alive = torch.ones(env.num_envs, dtype=torch.bool, device=env.device)
+    length = torch.zeros(env.num_envs, dtype=torch.long, device=env.device)
+    success = torch.zeros(env.num_envs, device=env.device)
+    boxes = torch.zeros(env.num_envs, device=env.device)
+    for _ in range(env.episode_length):
+        action = act_at_depth(network, obs["observation"], obs["desired_goal"], depth, generator)
+        obs, reward, terminated, truncated, info = env.step(action)
+        observations.append(info["final_obs"]["observation"])
+        actions.append(action.to(torch.int8))
+        # An env whose episode ended early (quarter filter) keeps its first episode's statistics.
+        ended = alive & info["episode_done"]
+        length = torch.where(alive, length + 1, length)
+        success = torch.where(ended, info["episode_success"], success)
+        boxes = torch.where(ended, info["episode_boxes_on_target"], boxes)
+        alive = alive & ~info["episode_done"]
+    return torch.stack(observations, 1), torch.stack(actions, 1), length, success, boxes
+
+
+def evaluate(network, eval_envs, generator):
+    """Success and boxes on target at every depth 1..K on each split, as device tensors."""
+    results = {}
+    for split, env in eval_envs.items():
+        for depth in range(1, network.depth + 1):
+            _, _, _, success, boxes = run_episode(network, env, depth, generator)
+            results[f"eval/{split}/success_depth_{depth}"] = success.mean()
+            results[f"eval/{split}/boxes_on_target_depth_{depth}"] = boxes.mean()
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints (self-contained, atomic, weights_only) and metrics
+# ---------------------------------------------------------------------------------------------------------
+def save_checkpoint(path, payload):
+    """torch.save to a temp file, then os.replace: a kill or a full disk never leaves a broken checkpoint."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"could not write checkpoint {path} ({error}); the previous checkpoint is intact. "
+                      "Free disk space or point --run-dir at a writable folder.") from error
+
+
+def load_checkpoint(path, algorithm=ALGORITHM):
+    """Load with weights_only=True (a checkpoint cannot run code) and check that it is ours."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # unpickling refused, truncated or not a torch file
+        raise ValueError(f"{path} is not a loadable FlexLoop checkpoint: it is corrupt, truncated, not a checkpoint, "
+                         f"or carries code that weights_only loading refuses ({type(error).__name__}: "
+                         f"{str(error)[:200]})") from error
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} is not a FlexLoop checkpoint (no '{CHECKPOINT_FORMAT}' format tag)")
+    missing = [k for k in ("algorithm", "args", "env_id", "depth", "model") if k not in checkpoint]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {missing}; it was not written by a FlexLoop script")
+    if checkpoint["algorithm"] != algorithm:
+        raise ValueError(f"checkpoint {path} is from {checkpoint['algorithm']!r}, not {algorithm!r}; "
+                         f"use flexloop_{checkpoint['algorithm']}.py for it")
+    return checkpoint
+
+
+def build_network(args: Args, device):
+    return IRUQNetwork(args.depth, args.hidden_dim, args.num_critics, args.iru_variant, args.policy_temperature,
+                       args.init_alpha).to(device)
+
+
+def network_from_checkpoint(checkpoint, device="cpu"):
+    """Rebuild the network from a checkpoint alone (used by eval_adaptive.py)."""
+    args = Args(**checkpoint["args"])
+    network = build_network(args, device)
+    network.load_state_dict(checkpoint["model"])
+    return network, args
+
+
+class MetricsLog:
+    """runs/<name>/metrics.jsonl, always; W&B too when tracked. On resume, records past the checkpoint's step
+    (written by the run that was killed) are dropped, so the file has no duplicate or missing steps."""
+
+    def __init__(self, path, resume_step=None, wandb_run=None):
+        self.path, self.wandb_run = Path(path), wandb_run
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["global_step"] <= resume_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+        self.file = open(self.path, "a")
+
+    def write(self, metrics, global_step):
+        record = {"global_step": global_step, **{k: (v.item() if torch.is_tensor(v) else v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(record, step=global_step)
+        return record
+
+
+def rng_state(generators):
+    state = {"python": random.getstate()[1], "numpy": np.random.get_state()[1].tolist(), "torch": torch.get_rng_state()}
+    state.update({name: g.get_state() for name, g in generators.items()})
+    return state
+
+
+def set_rng_state(state, generators):
+    random.setstate((3, tuple(state["python"]), None))
+    np_state = np.random.get_state()
+    np.random.set_state((np_state[0], np.array(state["numpy"], dtype=np.uint32), *np_state[2:]))
+    torch.set_rng_state(state["torch"])
+    for name, g in generators.items():
+        g.set_state(state[name])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------
+def train(args: Args):
+    check_args(args)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    checkpoint = load_checkpoint(args.resume) if args.resume else None
+    if checkpoint is not None:
+        # A resumed run keeps its own flags: only the checkpoint path comes from the command line.
+        resume_path, args = args.resume, Args(**checkpoint["args"])
+        args.resume = resume_path
+    init = load_checkpoint(args.init_checkpoint) if args.init_checkpoint and checkpoint is None else None
+    if init is not None:
+        check_compatible(init, args)
+
+    run_name = checkpoint["run_name"] if checkpoint else \
+        f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.run_dir) / run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not os.access(run_dir, os.W_OK):
+        raise PermissionError(f"run folder {run_dir} is not writable; point --run-dir at a writable folder")
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    # Envs: one for collection, one per split for evaluation, each with its own seeded task stream.
+    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=args.seed, split="train",
+                        episode_length=args.episode_length, quarter_filter=args.quarter_filter,
+                        check_actions=False).unwrapped
+    eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, seed=args.seed + 1000 + i,
+                                      split=split, episode_length=args.episode_length, check_actions=False).unwrapped
+                 for i, split in enumerate(["train", "unseen"])}
+    generators = {"actions": torch.Generator(device).manual_seed(args.seed),
+                  "replay": torch.Generator(device).manual_seed(args.seed + 1),
+                  "eval": torch.Generator(device).manual_seed(args.seed + 2),
+                  "env": env.generator, **{f"env_{s}": e.generator for s, e in eval_envs.items()}}
+
+    network = build_network(args, device)
+    target_network = build_network(args, device)
+    if init is not None:
+        network.load_state_dict(init["model"])
+    target_network.load_state_dict(network.state_dict())
+    target_network.requires_grad_(False)
+    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=device.type == "cuda")
+    replay = TrajectoryReplay(args.num_envs, args.replay_episodes, args.episode_length, device,
+                              args.future_goal_fraction, args.future_discount)
+
+    # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network was given, then FlexLoop.
+    phases = [] if init is not None else [("pretrain", args.pretrain_epochs * args.intervals_per_epoch, 0.0)]
+    phases.append(("flexloop", args.num_epochs * args.intervals_per_epoch, args.lambda_depth))
+    phases = [p for p in phases if p[1] > 0]
+    total_intervals = sum(p[1] for p in phases)
+    interval, updates, env_steps, last_metrics, wandb_id = 0, 0, 0, {}, None
+    if checkpoint is not None:
+        network.load_state_dict(checkpoint["model"])
+        target_network.load_state_dict(checkpoint["target_model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        set_rng_state(checkpoint["rng"], generators)
+        interval, updates, env_steps = checkpoint["interval"], checkpoint["updates"], checkpoint["global_step"]
+        last_metrics, wandb_id = checkpoint.get("metrics", {}), checkpoint.get("wandb_id")
+        print(f"resuming {run_name} at interval {interval}/{total_intervals} (the replay refills from fresh episodes)")
+
+    wandb_run = None
+    if args.track:
+        import wandb
+        wandb_run = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, group=args.wandb_group,
+                               tags=list(args.wandb_tags), config=asdict(args), name=run_name,
+                               id=wandb_id, resume="allow", dir=str(run_dir))
+        wandb_id = wandb_run.id
+    metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume_step=env_steps if checkpoint else None,
+                             wandb_run=wandb_run)
+
+    def make_checkpoint():
+        return {"format": CHECKPOINT_FORMAT, "algorithm": ALGORITHM, "args": asdict(args), "env_id": args.env_id,
+                "depth": args.depth, "run_name": run_name, "model": network.state_dict(),
+                "target_model": target_network.state_dict(), "optimizer": optimizer.state_dict(),
+                "interval": interval, "updates": updates, "global_step": env_steps, "phase": phase_at(interval)[0],
+                "rng": rng_state(generators), "metrics": last_metrics, "wandb_id": wandb_id}
+
+    def phase_at(i):
+        start = 0
+        for name, length, lam in phases:
+            if i < start + length:
+                return name, lam, start + length
+            start += length
+        return phases[-1][0], phases[-1][2], start
+
+    # One update: sample, TD + FlexLoop + temperature losses, Adam, Polyak. Lambda is a tensor so the same
+    # captured graph serves both phases.
+    lambda_depth = torch.zeros((), device=device)
+    loss_sums = torch.zeros(4, device=device)  # td, depth, alpha, entropy: summed on the device between logs
+
+    def update():
+        batch = replay.sample(args.batch_size, generators["replay"])
+        with torch.no_grad():
+            target_q_next = target_network.all_depths(batch["next_obs"], batch["goal"])[-1]
+            y = td_target(target_q_next, batch["reward"], args.gamma)
+        q_per_depth = network.all_depths(batch["obs"], batch["goal"])  # (K, E, B, A)
+        rows = torch.arange(args.batch_size, device=device)
+        q_taken = q_per_depth[-1][:, rows, batch["action"]]  # (E, B)
+        td_loss = ((q_taken - y) ** 2).mean(1).sum()  # MSE on each critic
+        depth_loss = flexloop_depth_loss(q_per_depth, args.policy_temperature)
+        # Temperature: push the entropy of softmax(Q_K / alpha) towards -target_entropy.
+        q_full = q_per_depth[-1].mean(0).detach()
+        log_policy = F.log_softmax(q_full / network.log_alpha.exp(), -1)
+        entropy = -(log_policy.exp() * log_policy).sum(-1).mean()
+        alpha_loss = (entropy + args.target_entropy) ** 2
+        loss = td_loss + lambda_depth * depth_loss + alpha_loss
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(list(target_network.parameters()), list(network.parameters()), args.tau)
+            loss_sums.add_(torch.stack([td_loss, depth_loss, alpha_loss, entropy]).detach())
+
+    if args.compile:
+        update = torch.compile(update)
+    run_update = update
+    pbar = tqdm(total=total_intervals, initial=interval, desc=run_name, dynamic_ncols=True)
+    interrupted = []
+    signal.signal(signal.SIGTERM, lambda *_: interrupted.append(True))  # SLURM preemption: save, then exit
+
+    start_time, start_updates, start_steps = time.time(), updates, env_steps
+    while interval < total_intervals:
+        phase, lam, _ = phase_at(interval)
+        lambda_depth.fill_(lam)
+        network.train()
+        observations, actions, lengths, success, _ = run_episode(network, env, args.depth, generators["actions"])
+        replay.add(observations, actions, lengths)
+        env_steps += args.num_envs * args.episode_length
+
+        if run_update is update and args.cuda_graph and device.type == "cuda":
+            run_update = capture_cuda_graph(update, generators["replay"])
+            updates += CUDA_GRAPH_WARMUP  # the capture's warm-up runs real updates
+        for _ in range(args.updates_per_rollout):
+            run_update()
+        updates += args.updates_per_rollout
+        interval += 1
+        pbar.update(1)
+
+        if interval % args.log_every == 0 or interval == total_intervals:
+            sums = loss_sums / (args.log_every * args.updates_per_rollout)
+            metrics = {"phase": phase, "charts/interval": interval, "charts/updates": updates,
+                       "losses/td_loss": sums[0], "losses/depth_kl": sums[1], "losses/alpha_loss": sums[2],
+                       "charts/policy_entropy": sums[3], "charts/alpha": network.log_alpha.exp(),
+                       "charts/lambda_depth": lam, "charts/train_success": success.mean(),
+                       "charts/SPS": int((env_steps - start_steps) / (time.time() - start_time)),
+                       "charts/updates_per_second": (updates - start_updates) / (time.time() - start_time)}
+            check_finite(metrics, updates)
+            loss_sums.zero_()
+            last_metrics = metrics_log.write(metrics, env_steps)
+            pbar.set_postfix(td=f"{last_metrics['losses/td_loss']:.3g}", kl=f"{last_metrics['losses/depth_kl']:.3g}")
+        if interval % args.eval_every == 0 or interval == total_intervals or phase_at(interval)[0] != phase:
+            network.eval()
+            results = metrics_log.write({"phase": phase, **evaluate(network, eval_envs, generators["eval"])}, env_steps)
+            last_metrics.update(results)
+            pbar.write(format_eval(results, args.depth, interval))
+        if phase == "pretrain" and phase_at(interval)[0] != phase:
+            save_checkpoint(run_dir / "pretrained.pt", make_checkpoint())  # the IRU-K baseline
+        if interval % args.save_every == 0 or interval == total_intervals or interrupted:
+            save_checkpoint(run_dir / "latest.pt", make_checkpoint())
+        if interrupted:
+            pbar.write(f"SIGTERM: saved {run_dir / 'latest.pt'} at interval {interval}; resume with "
+                       f"--resume {run_dir / 'latest.pt'}")
+            break
+    pbar.close()
+    if not interrupted:
+        save_checkpoint(run_dir / "final.pt", make_checkpoint())
+    metrics_log.file.close()
+    if wandb_run is not None:
+        wandb_run.finish()
+    return run_dir
+
+
+def check_compatible(init, args):
+    """A pretrained checkpoint must match this run's env family, depth and network shape."""
+    theirs = init["args"]
+    for key in ["depth", "hidden_dim", "num_critics", "iru_variant"]:
+        if theirs[key] != getattr(args, key):
+            raise ValueError(f"--init-checkpoint was trained with {key}={theirs[key]!r} but this run has "
+                             f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {theirs[key]}")
+    if init["env_id"] != args.env_id:
+        raise ValueError(f"--init-checkpoint was trained on {init['env_id']} but this run is on {args.env_id}; "
+                         f"pass --env-id {init['env_id']}")
+
+
+def check_finite(metrics, updates):
+    for name, value in metrics.items():
+        if torch.is_tensor(value) and not torch.isfinite(value).all():
+            raise FloatingPointError(f"{name} became {value.item()} in the updates before update {updates}; "
+                                     "stopping. The last checkpoint written (latest.pt) is from before this.")
+
+
+def format_eval(results, depth, interval):
+    lines = [f"interval {interval} success by depth 1..{depth}:"]
+    for split in ["train", "unseen"]:
+        values = " ".join(f"{results[f'eval/{split}/success_depth_{k}']:.3f}" for k in range(1, depth + 1))
+        lines.append(f"  {split:7s} {values}")
+    return "\n".join(lines)
+
+
+CUDA_GRAPH_WARMUP = 3
+
+
+def capture_cuda_graph(update, generator):
+    """Record one update in a CUDA graph (sampling, forward, backward, Adam, Polyak) and return its replay.
+    Warm-up runs on a side stream first, as torch.cuda.graphs requires."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(CUDA_GRAPH_WARMUP):
+            update()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    graph.register_generator_state(generator)  # each replay draws fresh replay samples
+    with torch.cuda.graph(graph):
+        update()
+    return graph.replay
+
+
+if __name__ == "__main__":
+    train(tyro.cli(Args))
