@@ -86,6 +86,8 @@ VARIANTS = {
     "Exact-4": dict(generator="exact", num_boxes=4),
     "Generalize-4-1": dict(generator="generalize", num_boxes=4, num_moving=1),
     "Generalize-4-2": dict(generator="generalize", num_boxes=4, num_moving=2),
+    # Not a paper env: one box and one target, small enough to learn on a CPU in seconds (tests, debugging).
+    "Generalize-1-1": dict(generator="generalize", num_boxes=1, num_moving=1),
 }
 SPLITS = ("train", "unseen")
 

@@ -1,0 +1,106 @@
+"""GC-DQN training throughput of flexloop_gcdqn.py: gradient updates per second and collected env steps
+per second, for IRU-5 at batch 1024 with the default network, pretraining (lambda = 0) and FlexLoop (lambda = 1).
+
+    python bench/train_throughput.py                     # every mode on the GPU
+    python bench/train_throughput.py --modes eager --updates 20 --num-envs 64 --batch-size 64   # CPU check
+
+Modes: eager (plain PyTorch), graph (one update captured in a CUDA graph), compile-graph (torch.compile'd
+update, then captured). The replay is filled with real episodes collected by the untrained network first.
+Prints one JSON line per measurement.
+"""
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import envs  # noqa: E402
+import flexloop_gcdqn as gcdqn  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def setup(args, device):
+    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=0, check_actions=False).unwrapped
+    network = gcdqn.build_network(args, device)
+    target_network = gcdqn.build_network(args, device)
+    target_network.load_state_dict(network.state_dict())
+    target_network.requires_grad_(False)
+    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=device.type == "cuda")
+    replay = gcdqn.TrajectoryReplay(args.num_envs, args.replay_episodes, args.episode_length, device)
+    return env, network, target_network, optimizer, replay
+
+
+def measure_collection(args, device, episodes):
+    env, network, _, _, replay = setup(args, device)
+    generator = torch.Generator(device).manual_seed(0)
+    gcdqn.run_episode(network, env, args.depth, generator)  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(episodes):
+        replay.add(*gcdqn.run_episode(network, env, args.depth, generator)[:3])
+    sync(device)
+    elapsed = time.perf_counter() - start
+    return {"what": "collection", "env_steps_per_second": round(episodes * args.num_envs * args.episode_length / elapsed)}
+
+
+def measure_updates(args, device, mode, lam, num_updates, fill_episodes):
+    env, network, target_network, optimizer, replay = setup(args, device)
+    generator = torch.Generator(device).manual_seed(0)
+    for _ in range(fill_episodes):
+        replay.add(*gcdqn.run_episode(network, env, args.depth, generator)[:3])
+    lambda_depth = torch.full((), lam, device=device)
+    loss_sums = torch.zeros(4, device=device)
+    update = gcdqn.make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums)
+    if mode == "compile-graph":
+        update = torch.compile(update)
+    if mode in ("graph", "compile-graph"):
+        update = gcdqn.capture_cuda_graph(update, generator)
+    else:
+        for _ in range(3):
+            update()  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(num_updates):
+        update()
+    sync(device)
+    elapsed = time.perf_counter() - start
+    return {"what": "updates", "mode": mode, "lambda_depth": lam, "updates_per_second": round(num_updates / elapsed, 1),
+            "td_loss_mean": round(loss_sums[0].item() / max(1, num_updates), 5)}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--modes", nargs="+", default=None)
+    parser.add_argument("--updates", type=int, default=500)
+    parser.add_argument("--num-envs", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--fill-episodes", type=int, default=4)
+    parser.add_argument("--collect-episodes", type=int, default=5)
+    parser.add_argument("--bf16", action="store_true", help="run the updates under bf16 autocast")
+    cli = parser.parse_args()
+    device = torch.device(cli.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    args = dataclasses.replace(gcdqn.Args(), num_envs=cli.num_envs, batch_size=cli.batch_size)
+    modes = cli.modes or (["eager", "graph", "compile-graph"] if device.type == "cuda" else ["eager"])
+    card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    common = {"device": card, "torch": torch.__version__, "depth": args.depth, "hidden_dim": args.hidden_dim,
+              "batch_size": args.batch_size, "num_envs": args.num_envs}
+    print(json.dumps({**measure_collection(args, device, cli.collect_episodes), **common}), flush=True)
+    for mode in modes:
+        for lam in (0.0, 1.0):
+            try:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cli.bf16):
+                    result = measure_updates(args, device, mode, lam, cli.updates, cli.fill_episodes)
+            except Exception as error:  # report and go on to the next mode
+                result = {"what": "updates", "mode": mode, "lambda_depth": lam, "error": repr(error)[:400]}
+            print(json.dumps({**result, **common, "bf16": cli.bf16}), flush=True)
