@@ -12,16 +12,23 @@ import sys
 import tyro
 
 import flexloop_gcdqn
+import flexloop_gciql
 
 # subcommand -> (the script's Args with the paper's defaults, the script's train)
 ALGORITHMS = {
     "gcdqn": (flexloop_gcdqn.Args(exp_name="iru_pretrain_gcdqn"), flexloop_gcdqn.train),
+    "gciql": (flexloop_gciql.Args(exp_name="iru_pretrain_gciql"), flexloop_gciql.train),
 }
+
+
+# the field holding each script's post-training budget (gcdqn: epochs, gciql: updates)
+POST_TRAINING_BUDGETS = ("num_epochs", "total_steps")
 
 
 def pretrain_args(args):
     """The same flags as pretraining only: lambda 0, no init checkpoint, no post-training phase."""
-    return dataclasses.replace(args, lambda_depth=0.0, init_checkpoint=None, num_epochs=0)
+    no_post_training = {name: 0 for name in POST_TRAINING_BUDGETS if hasattr(args, name)}
+    return dataclasses.replace(args, lambda_depth=0.0, init_checkpoint=None, **no_post_training)
 
 
 def main(algorithm, args):

@@ -1,0 +1,424 @@
+"""flexloop_gciql.py: GC-IQL losses, the normalised KL, IRU equations, the actor's depth protocol, OGBench
+evaluation, smoke runs with checkpoints and resume, and iru_pretrain's gciql subcommand. CPU, no network."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("ogbench")
+import flexloop_gciql as gciql  # noqa: E402
+from envs import ogbench_data  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PM = "pointmaze-large-stitch-v0"
+SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny networks: one thread is faster than two competing ones on a shared 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gciql_data")
+    ogbench_data.generate_dataset(PM, str(out), episodes=8, episode_steps=60, seed=0, progress=False)
+    return out
+
+
+def tiny_args(data_dir, run_dir, **overrides):
+    args = gciql.Args(env_name=PM, dataset_dir=str(data_dir), download=False, run_dir=str(run_dir), cuda=False,
+                      depth=2, hidden_dim=16, batch_size=32, pretrain_steps=6, total_steps=6, eval_every=1000,
+                      log_every=3, save_every=3, eval_episodes=1, eval_envs=10, eval_async=False)
+    return replace(args, **overrides)
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------------------------ losses
+
+
+def test_expectile_loss_hand_values_and_asymmetry():
+    diff = torch.tensor([2.0, -2.0, 0.0, 0.5])
+    torch.testing.assert_close(gciql.expectile_loss(diff, 0.9), torch.tensor([3.6, 0.4, 0.0, 0.225]))
+    # under-estimates of Q (diff > 0) cost 9x over-estimates, so the minimiser is an upper expectile:
+    # for Q in {0, 1}, argmin_v 0.9 (1 - v)^2 + 0.1 v^2 = 0.9
+    grid = torch.linspace(0, 1, 101)
+    losses = torch.stack([gciql.expectile_loss(torch.tensor([0.0, 1.0]) - v, 0.9).sum() for v in grid])
+    assert grid[losses.argmin()].item() == pytest.approx(0.9)
+    assert torch.equal(gciql.expectile_loss(diff, 0.5) * 2, diff ** 2)  # expectile 0.5 is plain MSE
+
+
+def test_critic_target_masks_stop_bootstrapping_at_the_goal():
+    rewards, masks = torch.tensor([-1.0, 0.0, -1.0]), torch.tensor([1.0, 0.0, 1.0])
+    next_value = torch.tensor([-5.0, -7.0, 0.0])
+    torch.testing.assert_close(gciql.critic_target(rewards, masks, next_value, 0.99),
+                               torch.tensor([-1.0 - 0.99 * 5.0, 0.0, -1.0]))
+
+
+def test_gaussian_log_prob_matches_torch_normal():
+    mean, std, actions = torch.randn(4, 3), torch.rand(4, 3) + 0.5, torch.randn(4, 3)
+    expected = torch.distributions.Normal(mean, std).log_prob(actions).sum(-1)
+    torch.testing.assert_close(gciql.gaussian_log_prob(actions, mean, std), expected)
+
+
+def test_ddpg_bc_actor_loss_hand_case():
+    q = torch.tensor([-2.0, -4.0], requires_grad=True)  # mean |Q| = 3
+    log_prob = torch.tensor([-1.0, -3.0])
+    loss, q_loss, bc_loss = gciql.ddpg_bc_actor_loss(q, log_prob, alpha=0.5)
+    assert q_loss.item() == pytest.approx(1.0, abs=1e-5)  # -mean(Q) / mean|Q| = 3 / 3
+    assert bc_loss.item() == pytest.approx(1.0)  # -0.5 * mean(-1, -3)
+    assert loss.item() == pytest.approx(2.0, abs=1e-5)
+    loss.backward()
+    # the normaliser is detached: dL/dQ = -1 / (batch * mean|Q|) for every row
+    torch.testing.assert_close(q.grad, torch.full((2,), -1 / 6), atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- normalised KL
+
+
+def policy(mean, std):
+    mean = torch.as_tensor(mean, dtype=torch.float32)
+    return torch.stack([mean, torch.as_tensor(std, dtype=torch.float32).expand_as(mean)], -2)
+
+
+def raw_gaussian_kl(p, q):
+    mp, sp, mq, sq = p[..., 0, :], p[..., 1, :], q[..., 0, :], q[..., 1, :]
+    return (torch.log(sq / sp) + (sp ** 2 + (mp - mq) ** 2) / (2 * sq ** 2) - 0.5).sum(-1)
+
+
+def test_normalised_kl_values_and_direction():
+    d = gciql.IRUActor.divergence
+    p = policy(torch.randn(5, 3), torch.rand(5, 3) + 0.3)
+    torch.testing.assert_close(d(p, p), torch.zeros(5))  # zero at equality
+    # hand value: (1/|A|) sum_j (mu_p - mu_q)^2 / (2 sigma_p^2) = (1/2) (1 / 8 + 0)
+    teacher, student = policy([[1.0, 0.0]], [[2.0, 1.0]]), policy([[0.0, 0.0]], [[0.3, 5.0]])
+    assert d(teacher, student).item() == pytest.approx(1 / 16)
+    # it is the KL to N(mu_q, sigma_p^2), averaged over action dimensions
+    same_scale = policy(student[:, 0], teacher[:, 1])
+    assert d(teacher, student).item() == pytest.approx(raw_gaussian_kl(teacher, same_scale).item() / 2)
+    # direction: the first argument's (the teacher's) std sets the scale
+    assert d(student, teacher).item() == pytest.approx(0.5 * (1 / (2 * 0.3 ** 2)))
+
+
+def test_normalised_kl_cannot_be_cut_by_inflating_the_student_scale():
+    teacher = policy(torch.randn(64, 4), torch.rand(64, 4) + 0.5)
+    student_mean, student_std = torch.randn(64, 4), torch.rand(64, 4) + 0.5
+    base = gciql.IRUActor.divergence(teacher, policy(student_mean, student_std))
+    raw_base = raw_gaussian_kl(teacher, policy(student_mean, student_std))
+    for factor in [1.5, 3.0, 10.0, 1e3]:
+        inflated = policy(student_mean, student_std * factor)
+        assert (gciql.IRUActor.divergence(teacher, inflated) >= base - 1e-6).all()
+        # the raw KL, by contrast, can be lowered that way (the degeneracy the normalised KL avoids)
+        if factor == 3.0:
+            assert raw_gaussian_kl(teacher, inflated).mean() < raw_base.mean()
+
+
+def test_depth_loss_gradient_reaches_only_the_shallower_depth():
+    depth, batch, action_dim = 3, 4, 2
+    means = [torch.randn(batch, action_dim, requires_grad=True) for _ in range(depth)]
+    policies = torch.stack([policy(m, torch.ones(batch, action_dim)) for m in means])  # (K, B, 2, A)
+    loss = gciql.flexloop_depth_loss(policies)
+    loss.backward()
+    assert means[-1].grad is None or torch.all(means[-1].grad == 0)  # the deepest depth is only a teacher
+    # d/d mu_k of mean_{k, rows, j} (mu_{k+1} - mu_k)^2 / 2 = -(mu_{k+1} - mu_k) / ((K - 1) B A)
+    for k in range(depth - 1):
+        expected = -(means[k + 1] - means[k]).detach() / ((depth - 1) * batch * action_dim)
+        torch.testing.assert_close(means[k].grad, expected)
+
+
+# ------------------------------------------------------------------------------------- IRU and the actor
+
+
+def layer_norm(x, weight, bias):
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + 1e-5) * weight + bias
+
+
+@pytest.mark.parametrize("variant", ["residual", "paper"])
+def test_iru_equations_against_hand_computation(variant):
+    torch.manual_seed(0)
+    net = gciql.IRU(in_dim=3, out_dim=2, depth=3, hidden_dim=2, variant=variant, members=2)
+    assert torch.all(net.gates.bias[..., :2] == 1.0)  # forget-gate bias +1
+    with torch.no_grad():
+        for p in net.parameters():  # LayerNorm affine away from its 1/0 init, so it is exercised too
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(4, 3)
+    state = net.start(x)
+    for member in range(2):
+        W = {name: p[member].detach() for name, p in net.named_parameters()}
+        x_emb = layer_norm(x @ W["embed.weight"] + W["embed.bias"], W["embed_norm.weight"], W["embed_norm.bias"])
+        c, h = torch.zeros(4, 2), torch.zeros(4, 2)
+        s = state
+        for _ in range(3):
+            carried = h if variant == "residual" else torch.tanh(c)
+            z = layer_norm(torch.cat([x_emb, carried], -1), W["gate_norm.weight"], W["gate_norm.bias"])
+            gates = z @ W["gates.weight"] + W["gates.bias"]
+            f, i = torch.sigmoid(gates[:, :2]), torch.tanh(gates[:, 2:])
+            c = f * c + (1 - f) * i
+            h = h + torch.tanh(c)
+            out = (h if variant == "residual" else c) @ W["head.weight"] + W["head.bias"]
+            s = net.advance(s)
+            torch.testing.assert_close(net.readout(s)[member], out)
+    torch.testing.assert_close(net(x), net.readout(s))
+
+
+def test_actor_depth_protocol():
+    torch.manual_seed(0)
+    actor = gciql.IRUActor(obs_dim=3, action_dim=2, depth=4, hidden_dim=8)
+    obs, goal = torch.randn(6, 3), torch.randn(6, 3)
+    policies = actor.all_depths(obs, goal)
+    assert policies.shape == (4, 6, 2, 2)
+    assert torch.all(policies[:, :, 1] == gciql.ACTOR_STD)
+    state = actor.start(obs, goal)
+    rows = torch.tensor([4, 1])
+    for k in range(4):
+        state = actor.advance(state)
+        torch.testing.assert_close(actor.decide(state), policies[k])
+        # adaptive inference continues only some rows: gathering commutes with advancing
+        gathered = actor.advance(actor.gather(state, rows))
+        if k < 3:
+            torch.testing.assert_close(actor.decide(gathered), policies[k + 1][rows])
+    # acting: the mean clipped to the action box; sampling is seeded
+    wide = policy([[3.0, -0.25], [-2.0, 0.5]], 1.0)
+    torch.testing.assert_close(actor.act(wide), torch.tensor([[1.0, -0.25], [-1.0, 0.5]]))
+    a = actor.act(wide, torch.Generator().manual_seed(1), deterministic=False)
+    b = actor.act(wide, torch.Generator().manual_seed(1), deterministic=False)
+    assert torch.equal(a, b) and not torch.equal(a, actor.act(wide)) and a.abs().max() <= 1
+    # delta_k uses the same D as training
+    delta = actor.divergence(policies[1], policies[0])
+    assert delta.shape == (6,) and torch.all(delta >= 0)
+
+
+def test_each_loss_trains_only_its_own_network(data_dir):
+    """The actor's Q(s, g, mu) must not train the critic, and the value/critic targets must stay fixed."""
+    torch.manual_seed(0)
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", depth=3))
+    assert args.alpha == 0.003 and args.lambda_depth == 0.3  # pointmaze's values from REFERENCE.md §4
+    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False)
+    agent, target_critic = gciql.build_agent(args, "cpu"), gciql.build_agent(args, "cpu").critic
+    batch = dataset.sample(32, torch.Generator().manual_seed(0))
+    loss, parts = gciql.gciql_losses(agent, target_critic, batch, args, torch.tensor(0.3))
+    grads = torch.autograd.grad(loss, list(agent.parameters()))
+    grad = dict(zip([n for n, _ in agent.named_parameters()], grads))
+
+    # the same losses, each computed on its own
+    obs, actions, g = batch["observations"], batch["actions"], batch["value_goals"]
+    target_q = gciql.critics_at(target_critic, obs, g, actions).min(0).values.detach()
+    value_loss = gciql.expectile_loss(target_q - gciql.value_at(agent.value, obs, g), args.expectile).mean()
+    next_v = gciql.value_at(agent.value, batch["next_observations"], g).detach()
+    y = gciql.critic_target(batch["rewards"], batch["masks"], next_v, args.gamma)
+    critic_loss = ((gciql.critics_at(agent.critic, obs, g, actions) - y) ** 2).mean(1).sum()
+    for module, own_loss in [("value", value_loss), ("critic", critic_loss)]:
+        names = [n for n, _ in agent.named_parameters() if n.startswith(module + ".")]
+        own = torch.autograd.grad(own_loss, [dict(agent.named_parameters())[n] for n in names])
+        for n, expected in zip(names, own):
+            torch.testing.assert_close(grad[n], expected)
+    assert all(grad[n].abs().sum() > 0 for n in grad if n.startswith("actor.iru.head"))
+    torch.testing.assert_close(parts[:2], torch.stack([value_loss, critic_loss]).detach())
+
+
+def test_iql_learns_goal_values(data_dir):
+    """A few hundred updates on pointmaze data: V(s, s) (already at the goal, reward 0, no bootstrap) ends up
+    well above V(s, far goal), whose targets accumulate -1 per step."""
+    torch.manual_seed(0)
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", hidden_dim=32, batch_size=128))
+    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False)
+    agent, target_critic = gciql.build_agent(args, "cpu"), gciql.build_agent(args, "cpu").critic
+    target_critic.load_state_dict(agent.critic.state_dict())
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
+    update = gciql.make_update(agent, target_critic, optimizer, dataset, replace(args, tau=0.05),
+                               torch.Generator().manual_seed(0), torch.tensor(0.0),
+                               torch.zeros(len(gciql.LOSS_NAMES)))
+    for _ in range(300):
+        update()
+
+    obs = dataset.observations[dataset.valid_idxs]
+    far = obs.flip(0)  # states from other trajectories, mostly far away in the maze
+    with torch.no_grad():
+        v_at_goal = gciql.value_at(agent.value, obs, obs).mean()
+        v_far = gciql.value_at(agent.value, obs, far).mean()
+    assert v_at_goal > v_far + 1.0, (v_at_goal, v_far)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+def pointmaze_oracle():
+    """A policy_fn that walks the maze's BFS path to the goal (from the env's own oracle)."""
+    maze = ogbench_data.make_eval_env(PM).unwrapped
+    batch_sizes = []
+
+    def policy_fn(obs, goal, policy_index):
+        batch_sizes.append(len(obs))
+        actions = []
+        for xy, goal_xy in zip(obs, goal):
+            subgoal, _ = maze.get_oracle_subgoal(xy, goal_xy)
+            if maze.xy_to_ij(subgoal) == maze.xy_to_ij(xy):  # in the goal's cell: head for the goal itself
+                subgoal = goal_xy
+            direction = subgoal - xy
+            actions.append(direction / (np.linalg.norm(direction) + 1e-6))
+        return np.array(actions) * np.where(policy_index[:, None] == 0, 1.0, 0.0)  # policy 1 stands still
+
+    return policy_fn, batch_sizes
+
+
+def test_rollout_runs_tasks_side_by_side_and_scores_final_success():
+    policy_fn, batch_sizes = pointmaze_oracle()
+    vector_env = gciql.make_eval_vector_env(PM, 10, async_envs=False)
+    success = gciql.rollout(policy_fn, vector_env, episodes=1, num_policies=2, seed=0)
+    vector_env.close()
+    assert success.shape == (2, 5, 1)
+    assert np.all(success[0] == 1.0)  # the oracle reaches every task's goal
+    assert np.all(success[1] == 0.0)  # standing still reaches none
+    assert max(batch_sizes) == 10  # all ten episodes (2 policies x 5 tasks) advance in one batch
+
+
+def test_rollout_reuses_envs_for_waiting_episodes_in_subprocesses():
+    policy_fn, _ = pointmaze_oracle()
+    vector_env = gciql.make_eval_vector_env(PM, 3, async_envs=True)  # fewer envs than episodes
+    success = gciql.rollout(policy_fn, vector_env, task_ids=(1, 3), episodes=2, num_policies=1, seed=0)
+    vector_env.close()
+    assert success.shape == (1, 2, 2) and np.all(success == 1.0)
+
+
+# ------------------------------------------------------------------------------- smoke runs and checkpoints
+
+
+@pytest.fixture(scope="module")
+def smoke_run(data_dir, tmp_path_factory):
+    """Both phases with tiny flags: 6 pretraining updates, then 6 FlexLoop updates."""
+    run_dir = gciql.train(tiny_args(data_dir, tmp_path_factory.mktemp("runs")))
+    return run_dir
+
+
+def test_smoke_run_two_phases(smoke_run):
+    assert {"pretrained.pt", "latest.pt", "final.pt", "metrics.jsonl"} <= {p.name for p in smoke_run.iterdir()}
+    records = read_metrics(smoke_run)
+    train_records = [r for r in records if "losses/critic_loss" in r]
+    assert [(r["global_step"], r["phase"], r["charts/lambda_depth"]) for r in train_records] == \
+        [(3, "pretrain", 0.0), (6, "pretrain", 0.0), (9, "flexloop", 0.3), (12, "flexloop", 0.3)]
+    evals = [r for r in records if "eval/success_depth_1" in r]
+    assert [(r["global_step"], r["phase"]) for r in evals] == [(6, "pretrain"), (12, "flexloop")]
+    for k in (1, 2):
+        for t in gciql.TASK_IDS:
+            assert evals[-1][f"eval/task_{t}/success_depth_{k}"] in (0.0, 1.0)
+    assert all(math.isfinite(v) for r in train_records for k, v in r.items() if k.startswith("losses/"))
+
+    checkpoint = gciql.load_checkpoint(smoke_run / "final.pt")
+    assert checkpoint["global_step"] == 12 and checkpoint["phase"] == "flexloop"
+    assert checkpoint["env_id"] == PM and checkpoint["depth"] == 2 and checkpoint["algorithm"] == "gciql"
+    assert checkpoint["args"]["lambda_depth"] == 0.3 and checkpoint["args"]["alpha"] == 0.003
+    assert gciql.load_checkpoint(smoke_run / "pretrained.pt")["global_step"] == 6
+
+
+def test_checkpoint_loads_in_a_fresh_process(smoke_run):
+    checkpoint = gciql.load_checkpoint(smoke_run / "final.pt")
+    actor, _ = gciql.network_from_checkpoint(checkpoint)
+    x = torch.linspace(-1, 1, 8).view(4, 2)
+    expected = actor.all_depths(x, x.flip(0)).tolist()
+    code = ("import json, torch, flexloop_gciql as m\n"
+            f"actor, args = m.network_from_checkpoint(m.load_checkpoint({str(smoke_run / 'final.pt')!r}))\n"
+            "x = torch.linspace(-1, 1, 8).view(4, 2)\n"
+            "print(json.dumps([actor.depth, args.env_name, actor.all_depths(x, x.flip(0)).tolist()]))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=SUBPROCESS_ENV, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    depth, env_name, policies = json.loads(result.stdout.strip().splitlines()[-1])
+    assert depth == 2 and env_name == PM
+    np.testing.assert_allclose(policies, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_resume_from_pretrained_checkpoint_continues_the_run(smoke_run, tmp_path):
+    # pretrained.pt is a full checkpoint at update 6: resuming from a copy re-runs the FlexLoop phase
+    run_copy = tmp_path / smoke_run.name
+    run_copy.mkdir()
+    for name in ["pretrained.pt", "metrics.jsonl"]:
+        (run_copy / name).write_bytes((smoke_run / name).read_bytes())
+    args = gciql.Args(resume=str(run_copy / "pretrained.pt"), run_dir="ignored-on-resume")
+    checkpoint = gciql.load_checkpoint(run_copy / "pretrained.pt")
+    checkpoint["args"]["run_dir"] = str(tmp_path)
+    gciql.save_checkpoint(run_copy / "pretrained.pt", checkpoint)
+    assert gciql.train(args) == run_copy
+    steps = [r["global_step"] for r in read_metrics(run_copy) if "losses/critic_loss" in r]
+    assert steps == [3, 6, 9, 12]  # nothing repeated or lost
+    resumed = gciql.load_checkpoint(run_copy / "final.pt")
+    original = gciql.load_checkpoint(smoke_run / "final.pt")
+    for name, tensor in original["model"].items():  # the same RNG streams and data give the same weights
+        torch.testing.assert_close(resumed["model"][name], tensor)
+
+
+def test_init_checkpoint_runs_flexloop_only_and_checks_shapes(smoke_run, data_dir, tmp_path):
+    run_dir = gciql.train(tiny_args(data_dir, tmp_path, init_checkpoint=str(smoke_run / "pretrained.pt")))
+    assert not (run_dir / "pretrained.pt").exists()
+    records = [r for r in read_metrics(run_dir) if "losses/critic_loss" in r]
+    assert [(r["global_step"], r["phase"]) for r in records] == [(3, "flexloop"), (6, "flexloop")]
+    with pytest.raises(ValueError, match="--depth 2"):
+        gciql.train(tiny_args(data_dir, tmp_path, depth=3, init_checkpoint=str(smoke_run / "pretrained.pt")))
+
+
+def test_iru_pretrain_gciql_subcommand(data_dir, tmp_path):
+    command = [sys.executable, "iru_pretrain.py", "gciql", "--env-name", PM, "--dataset-dir", str(data_dir),
+               "--no-download", "--run-dir", str(tmp_path), "--no-cuda", "--depth", "2", "--hidden-dim", "16",
+               "--batch-size", "32", "--pretrain-steps", "4", "--log-every", "2", "--save-every", "2",
+               "--eval-episodes", "1", "--eval-envs", "5", "--no-eval-async"]
+    result = subprocess.run(command, cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (run_dir,) = tmp_path.iterdir()
+    assert "iru_pretrain_gciql" in run_dir.name
+    checkpoint = gciql.load_checkpoint(run_dir / "final.pt")
+    assert checkpoint["global_step"] == 4 and checkpoint["phase"] == "pretrain"
+    assert checkpoint["args"]["lambda_depth"] == 0.0 and checkpoint["args"]["total_steps"] == 0
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+
+def test_missing_dataset_fails_before_any_work(tmp_path):
+    runs = tmp_path / "runs"
+    args = gciql.Args(env_name=PM, dataset_dir=str(tmp_path / "empty"), download=False, run_dir=str(runs),
+                      cuda=False)
+    with pytest.raises(FileNotFoundError, match=f"python -m envs.ogbench_data generate --env {PM}"):
+        gciql.train(args)
+    assert not runs.exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(depth=1), "--depth must be at least 2"),
+    (dict(lambda_depth=-0.1), "--lambda-depth must be >= 0"),
+    (dict(env_name="cube-single-play-v0"), "one of the five datasets"),
+    (dict(expectile=1.0), "--expectile"),
+    (dict(batch_size=0), "--batch-size must be positive"),
+    (dict(resume="a.pt", init_checkpoint="b.pt"), "not both"),
+])
+def test_bad_flags(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        gciql.check_args(replace(gciql.Args(), **overrides))
+
+
+def test_bad_checkpoints(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        gciql.load_checkpoint(tmp_path / "missing.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a loadable FlexLoop checkpoint"):
+        gciql.load_checkpoint(tmp_path / "junk.pt")
+    torch.save({"format": gciql.CHECKPOINT_FORMAT, "algorithm": "gcdqn", "args": {}, "env_id": "BoxPick-Exact-4-v0",
+                "depth": 5, "model": {}}, tmp_path / "dqn.pt")
+    with pytest.raises(ValueError, match="flexloop_gcdqn.py"):
+        gciql.load_checkpoint(tmp_path / "dqn.pt")
