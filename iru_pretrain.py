@@ -1,6 +1,7 @@
 """Fixed-depth IRU-K pretraining (lambda_depth = 0, fresh weights) through any FlexLoop script.
 
     python iru_pretrain.py gcdqn --env-id BoxPick-Exact-4-v0 --depth 5
+    python iru_pretrain.py gcppo --pretrain-timesteps 50000000
 
 Each subcommand takes its script's own flags, runs that script's `train` for its pretraining budget only,
 and leaves runs/<run_name>/final.pt: an IRU-K checkpoint that `--init-checkpoint` and eval_adaptive.py accept.
@@ -12,17 +13,19 @@ import sys
 import tyro
 
 import flexloop_gcdqn
+import flexloop_gcppo
 import flexloop_gciql
 
 # subcommand -> (the script's Args with the paper's defaults, the script's train)
 ALGORITHMS = {
     "gcdqn": (flexloop_gcdqn.Args(exp_name="iru_pretrain_gcdqn"), flexloop_gcdqn.train),
+    "gcppo": (flexloop_gcppo.Args(exp_name="iru_pretrain_gcppo"), flexloop_gcppo.train),
     "gciql": (flexloop_gciql.Args(exp_name="iru_pretrain_gciql"), flexloop_gciql.train),
 }
 
 
-# the field holding each script's post-training budget (gcdqn: epochs, gciql: updates)
-POST_TRAINING_BUDGETS = ("num_epochs", "total_steps")
+# the field holding each script's post-training budget (gcdqn: epochs, gciql: updates, gcppo: env steps)
+POST_TRAINING_BUDGETS = ("num_epochs", "total_steps", "total_timesteps")
 
 
 def pretrain_args(args):

@@ -9,7 +9,8 @@ Rules (REFERENCE.md section 3):
 - Observation: {"observation": the 20 lights, "desired_goal": the 20 goal lights}, both float32.
 - Tasks: the start is a uniform random board; the goal is the start after pressing `dist` DISTINCT random buttons.
   split="train": dist uniform in 1..9; split="unseen": dist uniform in 10..19.
-  So the minimal solution length of a task is exactly `dist`.
+  So the minimal solution length of a task is exactly `dist`. `max_presses` lowers the split's upper bound
+  (an easier task stream, e.g. for a quick learning test).
 - Reward = success - 0.1 per step: 0.9 on the step that reaches the goal, -0.1 on every other step.
 - The episode terminates on success and is truncated after `max_steps` (20) steps without success.
 - Autoreset is SAME_STEP: a finished env is reset inside `step`; `obs` is then the new episode's first
@@ -174,6 +175,7 @@ class LightsOutVecEnv(gymnasium.vector.VectorEnv):
         seed: int = 0,
         max_steps: int = 20,
         check_actions: bool = True,
+        max_presses=None,
     ):
         if split not in SPLITS:
             raise ValueError(f"split must be 'train' or 'unseen', got {split!r}")
@@ -190,6 +192,12 @@ class LightsOutVecEnv(gymnasium.vector.VectorEnv):
         self.max_steps = int(max_steps)
         self.check_actions = check_actions
         self.dist_low, self.dist_high = SPLITS[split]
+        if max_presses is not None:
+            if isinstance(max_presses, bool) or not isinstance(max_presses, (int, np.integer)) \
+                    or not self.dist_low <= max_presses <= self.dist_high:
+                raise ValueError(f"max_presses must be an integer in the {split} split's range "
+                                 f"[{self.dist_low}, {self.dist_high}] (or None), got {max_presses!r}")
+            self.dist_high = int(max_presses)
 
         self.single_action_space = gymnasium.spaces.Discrete(NUM_LIGHTS)
         self.action_space = gymnasium.spaces.MultiDiscrete(np.full(self.num_envs, NUM_LIGHTS))
