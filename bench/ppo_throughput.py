@@ -1,0 +1,99 @@
+"""Env steps per second of flexloop_gcppo.py's training loop (rollout + update epochs), at the default config.
+
+    python bench/ppo_throughput.py                       # GPU, defaults (2048 envs x 160 steps)
+    python bench/ppo_throughput.py --compile --cuda-graph
+    python bench/ppo_throughput.py --cpu --num-envs 64 --num-steps 32 --num-minibatches 4 --iterations 2
+
+Runs train() with warmup and with warmup + iterations rollouts in each phase (pretraining, then FlexLoop
+with its teacher), and times the difference: setup, compilation, graph capture and the end-of-phase evaluations
+cancel out. Also times one rollout alone (collection + GAE) and one evaluation (every depth, both splits).
+Prints one JSON line, with the projected minutes of a 50M-step phase.
+"""
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import envs  # noqa: E402
+import flexloop_gcppo as gcppo  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_train(args):
+    start = time.perf_counter()
+    gcppo.train(args)
+    return time.perf_counter() - start
+
+
+def time_rollout_and_eval(args, device):
+    network = gcppo.build_network(args, device)
+    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=0, check_actions=False).unwrapped
+    eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, split=split,
+                                      check_actions=False).unwrapped for split in ["train", "unseen"]}
+    buffers = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, device)
+    generator, episode_sums = torch.Generator(device).manual_seed(0), torch.zeros(4, device=device)
+    obs, _ = env.reset()
+    times = {}
+    for name, work in [("rollout", lambda: gcppo.collect_rollout(network, env, obs, buffers, generator, episode_sums)),
+                       ("eval", lambda: gcppo.evaluate(network, eval_envs, seed=0))]:
+        work()  # warm-up
+        sync(device)
+        start = time.perf_counter()
+        result = work()
+        if name == "rollout":
+            gcppo.prepare_targets(network, network, buffers, result, args)
+        sync(device)
+        times[name] = time.perf_counter() - start
+    return times
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="run on CPU even when a GPU is present")
+    parser.add_argument("--num-envs", type=int, default=gcppo.Args.num_envs)
+    parser.add_argument("--num-steps", type=int, default=gcppo.Args.num_steps)
+    parser.add_argument("--num-minibatches", type=int, default=gcppo.Args.num_minibatches)
+    parser.add_argument("--update-epochs", type=int, default=gcppo.Args.update_epochs)
+    parser.add_argument("--warmup", type=int, default=1, help="rollouts per phase in the shorter run")
+    parser.add_argument("--iterations", type=int, default=3, help="extra rollouts per phase in the longer run")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--cuda-graph", action="store_true")
+    cli = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not cli.cpu else "cpu")
+    batch = cli.num_envs * cli.num_steps
+    # train()'s own printing goes to stderr: stdout is the JSON line alone.
+    with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(sys.stderr):
+        def args_for(rollouts):
+            return gcppo.Args(cuda=device.type == "cuda", num_envs=cli.num_envs, num_steps=cli.num_steps,
+                              num_minibatches=cli.num_minibatches, update_epochs=cli.update_epochs,
+                              pretrain_timesteps=rollouts * batch, total_timesteps=rollouts * batch,
+                              eval_every=10**9, save_every=10**9, compile=cli.compile, cuda_graph=cli.cuda_graph,
+                              run_dir=run_dir)
+        timed_train(args_for(cli.warmup))  # pays the process's one-time costs (lazy init, kernel caches)
+        short = timed_train(args_for(cli.warmup))
+        long = timed_train(args_for(cli.warmup + cli.iterations))
+        parts = time_rollout_and_eval(args_for(1), device)
+    steps = 2 * cli.iterations * batch
+    steps_per_second = steps / (long - short)
+    print(json.dumps({
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+        "num_envs": cli.num_envs, "num_steps": cli.num_steps, "num_minibatches": cli.num_minibatches,
+        "update_epochs": cli.update_epochs, "compile": cli.compile, "cuda_graph": cli.cuda_graph,
+        "timed_env_steps": steps, "seconds": round(long - short, 3),
+        "env_steps_per_second": round(steps_per_second),
+        "seconds_per_iteration": round((long - short) / (2 * cli.iterations), 3),
+        "rollout_seconds": round(parts["rollout"], 3), "eval_seconds": round(parts["eval"], 3),
+        "projected_minutes_per_50M_steps": round(50e6 / steps_per_second / 60, 1),
+    }), flush=True)
