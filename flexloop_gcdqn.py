@@ -26,7 +26,7 @@ import tyro
 from tqdm.auto import tqdm
 
 import envs
-from envs.boxpick import NUM_ACTIONS, NUM_CELLS, goal_reached
+from envs.boxpick import NUM_ACTIONS, NUM_CELLS, NUM_CODES, goal_reached
 
 ALGORITHM = "gcdqn"
 CHECKPOINT_FORMAT = "flexloop-checkpoint-v1"
@@ -78,6 +78,8 @@ class Args:
     """ensemble size"""
     iru_variant: Literal["residual", "paper"] = "residual"
     """residual: the public code (gates and head read h = sum tanh(c)); paper: the paper's equation (tanh(c), c)"""
+    obs_encoding: Literal["codes", "onehot"] = "codes"
+    """codes: the 36 cell codes as numbers (the reference); onehot: 36 x 12 one-hot cells (learns faster)"""
 
     # GC-DQN
     learning_rate: float = 3e-4
@@ -209,10 +211,11 @@ class IRUQNetwork(nn.Module):
     """
 
     def __init__(self, depth=5, hidden_dim=256, num_critics=2, variant="residual", policy_temperature=0.25,
-                 init_alpha=1.0, obs_dim=NUM_CELLS, num_actions=NUM_ACTIONS):
+                 init_alpha=1.0, obs_encoding="codes", num_actions=NUM_ACTIONS):
         super().__init__()
         self.depth, self.hidden_dim, self.num_critics, self.variant = depth, hidden_dim, num_critics, variant
-        self.num_actions, self.policy_temperature = num_actions, policy_temperature
+        self.num_actions, self.policy_temperature, self.obs_encoding = num_actions, policy_temperature, obs_encoding
+        obs_dim = NUM_CELLS * (NUM_CODES if obs_encoding == "onehot" else 1)
         self.embed = EnsembleLinear(num_critics, 2 * obs_dim + num_actions, hidden_dim)
         self.embed_norm = EnsembleLayerNorm(num_critics, hidden_dim)
         self.gate_norm = EnsembleLayerNorm(num_critics, 2 * hidden_dim)
@@ -225,7 +228,10 @@ class IRUQNetwork(nn.Module):
 
     def start(self, obs, goal):
         batch = obs.shape[0]
-        state_goal = torch.cat([obs, goal], -1).float()  # the codes as numbers, as in the reference
+        state_goal = torch.cat([obs, goal], -1)
+        if self.obs_encoding == "onehot":
+            state_goal = F.one_hot(state_goal.long(), NUM_CODES).flatten(1)
+        state_goal = state_goal.float()  # by default the codes as numbers, as in the reference
         sg_weight, action_weight = self.embed.weight[:, :-self.num_actions], self.embed.weight[:, -self.num_actions:]
         x = torch.baddbmm(self.embed.bias, state_goal.expand(self.num_critics, -1, -1), sg_weight)  # (E, B, d)
         x = x[:, :, None, :] + action_weight[:, None, :, :]  # (E, B, A, d)
@@ -439,7 +445,7 @@ def load_checkpoint(path, algorithm=ALGORITHM):
 
 def build_network(args: Args, device):
     return IRUQNetwork(args.depth, args.hidden_dim, args.num_critics, args.iru_variant, args.policy_temperature,
-                       args.init_alpha).to(device)
+                       args.init_alpha, args.obs_encoding).to(device)
 
 
 def network_from_checkpoint(checkpoint, device="cpu"):
@@ -569,7 +575,7 @@ def train(args: Args):
                               args.future_goal_fraction, args.future_discount)
 
     # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network was given, then FlexLoop.
-    phases = [] if init is not None else [("pretrain", args.pretrain_epochs * args.intervals_per_epoch, 0.0)]
+    phases = [] if args.init_checkpoint else [("pretrain", args.pretrain_epochs * args.intervals_per_epoch, 0.0)]
     phases.append(("flexloop", args.num_epochs * args.intervals_per_epoch, args.lambda_depth))
     phases = [p for p in phases if p[1] > 0]
     total_intervals = sum(p[1] for p in phases)
@@ -593,11 +599,11 @@ def train(args: Args):
     metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume_step=env_steps if checkpoint else None,
                              wandb_run=wandb_run)
 
-    def make_checkpoint():
+    def make_checkpoint(phase):
         return {"format": CHECKPOINT_FORMAT, "algorithm": ALGORITHM, "args": asdict(args), "env_id": args.env_id,
                 "depth": args.depth, "run_name": run_name, "model": network.state_dict(),
                 "target_model": target_network.state_dict(), "optimizer": optimizer.state_dict(),
-                "interval": interval, "updates": updates, "global_step": env_steps, "phase": phase_at(interval)[0],
+                "interval": interval, "updates": updates, "global_step": env_steps, "phase": phase,
                 "rng": rng_state(generators), "metrics": last_metrics, "wandb_id": wandb_id}
 
     def phase_at(i):
@@ -655,16 +661,16 @@ def train(args: Args):
             last_metrics.update(results)
             pbar.write(format_eval(results, args.depth, interval))
         if phase == "pretrain" and phase_at(interval)[0] != phase:
-            save_checkpoint(run_dir / "pretrained.pt", make_checkpoint())  # the IRU-K baseline
+            save_checkpoint(run_dir / "pretrained.pt", make_checkpoint(phase))  # the IRU-K baseline
         if interval % args.save_every == 0 or interval == total_intervals or interrupted:
-            save_checkpoint(run_dir / "latest.pt", make_checkpoint())
+            save_checkpoint(run_dir / "latest.pt", make_checkpoint(phase_at(interval)[0]))
         if interrupted:
             pbar.write(f"SIGTERM: saved {run_dir / 'latest.pt'} at interval {interval}; resume with "
                        f"--resume {run_dir / 'latest.pt'}")
             break
     pbar.close()
     if not interrupted:
-        save_checkpoint(run_dir / "final.pt", make_checkpoint())
+        save_checkpoint(run_dir / "final.pt", make_checkpoint(phases[-1][0]))
     metrics_log.file.close()
     if wandb_run is not None:
         wandb_run.finish()
@@ -674,7 +680,7 @@ def train(args: Args):
 def check_compatible(init, args):
     """A pretrained checkpoint must match this run's env family, depth and network shape."""
     theirs = init["args"]
-    for key in ["depth", "hidden_dim", "num_critics", "iru_variant"]:
+    for key in ["depth", "hidden_dim", "num_critics", "iru_variant", "obs_encoding"]:
         if theirs[key] != getattr(args, key):
             raise ValueError(f"--init-checkpoint was trained with {key}={theirs[key]!r} but this run has "
                              f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {theirs[key]}")

@@ -1,0 +1,363 @@
+"""flexloop_gcdqn.py: IRU equations, the FlexLoop KL, the TD target, relabelling, checkpoints, runs."""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flexloop_gcdqn as gcdqn
+import iru_pretrain
+from envs.boxpick import AGENT, AGENT_ON_BOX, BOX, BOX_ON_TARGET, EMPTY, TARGET, BoxPickVecEnv, goal_reached
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A run small enough for a CPU in a few seconds.
+TINY = dict(num_envs=16, batch_size=16, updates_per_rollout=3, intervals_per_epoch=2, pretrain_epochs=1, num_epochs=1,
+            hidden_dim=16, eval_every=2, num_eval_envs=8, log_every=1, save_every=1, episode_length=10,
+            replay_episodes=4, cuda=False)
+
+
+def tiny_args(tmp_path, **overrides):
+    return gcdqn.Args(**{**TINY, "run_dir": str(tmp_path), **overrides})
+
+
+# ----- IRU equations -----
+
+def hand_iru(network, obs, goal, action, variant):
+    """The IRU of REFERENCE §1 for one critic and one (s, g, a), written out with plain tensors."""
+    x = torch.cat([obs.float(), goal.float(), F.one_hot(torch.tensor(action), 6).float()])
+    d = network.hidden_dim
+    W, b = network.embed.weight[0], network.embed.bias[0, 0]
+    x_emb = F.layer_norm(x @ W + b, (d,)) * network.embed_norm.weight[0, 0] + network.embed_norm.bias[0, 0]
+    c, h = torch.zeros(d), torch.zeros(d)
+    outs = []
+    for _ in range(network.depth):
+        carried = h if variant == "residual" else torch.tanh(c)
+        z = F.layer_norm(torch.cat([x_emb, carried]), (2 * d,)) * network.gate_norm.weight[0, 0] + network.gate_norm.bias[0, 0]
+        gates = z @ network.gates.weight[0] + network.gates.bias[0, 0]
+        f, i = torch.sigmoid(gates[:d]), torch.tanh(gates[d:])
+        c = f * c + (1 - f) * i
+        h = h + torch.tanh(c)
+        readout = h if variant == "residual" else c
+        outs.append(readout @ network.head.weight[0, :, 0] + network.head.bias[0, 0, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("variant", ["residual", "paper"])
+def test_iru_matches_hand_computation(variant):
+    torch.manual_seed(0)
+    network = gcdqn.IRUQNetwork(depth=3, hidden_dim=4, num_critics=2, variant=variant)
+    with torch.no_grad():  # non-trivial norms, so a mistake in their use shows
+        for p in network.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    obs = torch.randint(0, 12, (2, 36), dtype=torch.int8)
+    goal = torch.randint(0, 12, (2, 36), dtype=torch.int8)
+    q = network.all_depths(obs, goal)  # (K, E, B, A)
+    assert q.shape == (3, 2, 2, 6)
+    for row in range(2):
+        for action in range(6):
+            expected = hand_iru(network, obs[row], goal[row], action, variant)
+            torch.testing.assert_close(q[:, 0, row, action], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_forget_gate_bias_starts_at_one():
+    network = gcdqn.IRUQNetwork(hidden_dim=8)
+    assert torch.all(network.gates.bias[..., :8] == 1.0)
+
+
+def test_depth_protocol_matches_all_depths():
+    torch.manual_seed(1)
+    network = gcdqn.IRUQNetwork(depth=4, hidden_dim=8)
+    obs, goal = torch.randint(0, 12, (5, 36)), torch.randint(0, 12, (5, 36))
+    q = network.all_depths(obs, goal)
+    state = network.start(obs, goal)
+    for k in range(4):
+        state = network.advance(state)
+        torch.testing.assert_close(network.decide(state), q[k].mean(0) / network.policy_temperature)
+    rows = torch.tensor([4, 1])
+    gathered = network.gather(state, rows)
+    torch.testing.assert_close(network.decide(gathered), network.decide(state)[rows])
+
+
+# ----- the FlexLoop KL -----
+
+def test_depth_kl_direction_value_and_gradient():
+    torch.manual_seed(2)
+    q = torch.randn(3, 2, 4, 6, requires_grad=True)  # (K, E, B, A)
+    loss = gcdqn.flexloop_depth_loss(q, policy_temperature=0.25)
+    # By hand: mean over k of KL(pi_{k+1} || pi_k), pi = softmax(mean_E Q / tau).
+    pi = torch.softmax(q.detach().mean(1) / 0.25, -1)
+    expected = torch.stack([(pi[k + 1] * (pi[k + 1].log() - pi[k].log())).sum(-1).mean() for k in range(2)]).mean()
+    torch.testing.assert_close(loss, expected)
+    reverse = torch.stack([(pi[k] * (pi[k].log() - pi[k + 1].log())).sum(-1).mean() for k in range(2)]).mean()
+    assert not torch.isclose(loss, reverse)  # the direction matters, and this is the right one
+    loss.backward()
+    assert q.grad[-1].abs().sum() == 0  # the deepest policy is only ever a target
+    assert q.grad[0].abs().sum() > 0 and q.grad[1].abs().sum() > 0
+
+
+def test_depth_kl_is_zero_when_adjacent_depths_agree():
+    q = torch.randn(1, 2, 4, 6).expand(5, -1, -1, -1)
+    assert gcdqn.flexloop_depth_loss(q, 0.25).abs() < 1e-6
+
+
+# ----- TD target -----
+
+def test_td_target_uses_ensemble_mean_then_max():
+    target_q_next = torch.tensor([[[1.0, 5.0, 0.0]], [[3.0, 1.0, 0.0]]])  # (E=2, B=1, A=3)
+    # mean over critics: [2, 3, 0] -> max 3; y = 0.5 + 0.9 * 3
+    torch.testing.assert_close(gcdqn.td_target(target_q_next, torch.tensor([0.5]), 0.9), torch.tensor([3.2]))
+
+
+# ----- replay and relabelling -----
+
+DIGITS = torch.tensor([EMPTY, BOX, TARGET, BOX_ON_TARGET])  # agent-free codes: the reward compares them as they are
+
+
+def tag(values):
+    """Two base-4 digits written as agent-free cell codes: a number up to 15, legal as a grid."""
+    return DIGITS[torch.stack([values // 4 % 4, values % 4], -1)].to(torch.int8)
+
+
+def untag(cells):
+    digit = lambda c: (DIGITS[None] == c.long()[..., None]).long().argmax(-1)  # noqa: E731
+    return digit(cells[..., 0]) * 4 + digit(cells[..., 1])
+
+
+def filled_replay(num_envs=16, episodes=3, length=12):
+    """Episodes whose every observation spells (env, episode, t) so samples can be traced back."""
+    replay = gcdqn.TrajectoryReplay(num_envs, episodes, length, "cpu", 0.5, 0.99)
+    for episode in range(episodes):
+        obs = torch.zeros(num_envs, length + 1, 36, dtype=torch.int8)
+        obs[:, :, 0:2] = tag(torch.arange(num_envs))[:, None]
+        obs[:, :, 2] = DIGITS[episode]
+        obs[:, :, 3:5] = tag(torch.arange(length + 1))
+        replay.add(obs, torch.randint(0, 6, (num_envs, length), dtype=torch.int8), torch.full((num_envs,), length))
+    return replay
+
+
+def test_relabelled_goals_future_and_random():
+    replay = filled_replay()
+    generator = torch.Generator().manual_seed(0)
+    offsets = []
+    for _ in range(300):
+        b = replay.sample(16, generator)
+        assert len(set(b["env"].tolist())) == 16  # distinct envs
+        future = b["use_future"]
+        assert future.sum() == 8
+        goal, obs = b["goal"].long(), b["obs"].long()
+        assert torch.equal(untag(obs[:, 0:2]), b["env"]) and torch.equal(untag(obs[:, 3:5]), b["t"])
+        # Future goals: same env, same episode, strictly later, within the episode.
+        assert torch.equal(goal[future, :3], obs[future, :3])
+        goal_t, obs_t = untag(goal[future, 3:5]), untag(obs[future, 3:5])
+        assert (goal_t > obs_t).all() and (goal_t <= 12).all()
+        assert torch.equal(goal_t - obs_t, b["offset"][future])
+        # Random goals: another sample's current state.
+        random_goals, all_obs = goal[~future], obs
+        assert all(any(torch.equal(g, o) for o in all_obs) for g in random_goals[:4])
+        assert not (random_goals == obs[~future]).all(1).any()
+        offsets.append(b["offset"][future])
+        # Rewards are recomputed against the relabelled goal with the env's rule.
+        torch.testing.assert_close(b["reward"], goal_reached(b["next_obs"], b["goal"]))
+        assert (b["reward"][future] == (b["offset"][future] == 1).float()).all()
+    offsets = torch.cat(offsets)
+    assert offsets.min() >= 1
+
+
+def test_future_offsets_are_geometric_in_0_99():
+    # Long episodes make truncation rare, so offsets follow P(j) = 0.01 * 0.99^(j-1).
+    replay = gcdqn.TrajectoryReplay(1024, 1, 1000, "cpu", 1.0, 0.99)
+    replay.add(torch.zeros(1024, 1001, 36, dtype=torch.int8), torch.zeros(1024, 1000, dtype=torch.int8),
+               torch.full((1024,), 1000))
+    replay.lengths[:] = 1000
+    generator = torch.Generator().manual_seed(1)
+    offsets, horizons = [], []
+    for _ in range(40):
+        b = replay.sample(1024, generator)
+        keep = b["t"] < 300  # at least 700 steps left: truncation changes little
+        offsets.append(b["offset"][keep])
+    offsets = torch.cat(offsets).float()
+    assert abs(offsets.mean().item() - 100) < 6  # geometric mean 1 / (1 - 0.99)
+    p1 = (offsets == 1).float().mean().item()
+    assert abs(p1 - 0.01) < 0.004
+    ratio = ((offsets > 50) & (offsets <= 100)).float().sum() / ((offsets >= 1) & (offsets <= 50)).float().sum()
+    assert abs(ratio.item() - 0.99 ** 50) < 0.06
+
+
+def test_future_goal_never_crosses_an_episode_boundary():
+    replay = gcdqn.TrajectoryReplay(32, 2, 10, "cpu", 1.0, 0.5)
+    obs = torch.zeros(32, 11, 36, dtype=torch.int8)
+    obs[:, :, 3:5] = tag(torch.arange(11))
+    for _ in range(2):
+        replay.add(obs, torch.zeros(32, 10, dtype=torch.int8), torch.full((32,), 6))  # only 6 valid steps
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        b = replay.sample(32, generator)
+        assert (b["t"] < 6).all() and (untag(b["goal"][:, 3:5]) <= 6).all()
+
+
+def test_goal_reached_ignores_the_agent():
+    grid = torch.zeros(36, dtype=torch.int8)
+    grid[0], grid[5] = BOX, AGENT
+    goal = torch.zeros(36, dtype=torch.int8)
+    goal[0], goal[9] = AGENT_ON_BOX, EMPTY
+    assert goal_reached(grid[None], goal[None]).item() == 1.0
+    goal[0], goal[1] = AGENT, BOX
+    assert goal_reached(grid[None], goal[None]).item() == 0.0
+
+
+# ----- bad flags -----
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(depth=1), "--depth"),
+    (dict(lambda_depth=-1.0), "--lambda-depth"),
+    (dict(batch_size=32, num_envs=16), "--batch-size"),
+    (dict(env_id="BoxPick-Exact-9-v0"), "--env-id"),
+    (dict(num_envs=0), "--num-envs"),
+    (dict(policy_temperature=0.0), "--policy-temperature"),
+])
+def test_bad_flags_fail_before_work(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        gcdqn.train(tiny_args(tmp_path, **overrides))
+    assert not any(tmp_path.iterdir())  # nothing was started
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_require_cuda_without_gpu(tmp_path):
+    with pytest.raises(RuntimeError, match="no CUDA GPU"):
+        gcdqn.train(tiny_args(tmp_path, require_cuda=True))
+
+
+# ----- runs, checkpoints, resume -----
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_smoke_run_writes_checkpoints_and_per_depth_metrics(tmp_path):
+    run_dir = gcdqn.train(tiny_args(tmp_path))
+    assert {p.name for p in run_dir.iterdir()} >= {"pretrained.pt", "latest.pt", "final.pt", "metrics.jsonl"}
+    records = read_metrics(run_dir)
+    phases = {r["phase"] for r in records}
+    assert phases == {"pretrain", "flexloop"}
+    eval_keys = set().union(*records)
+    for split in ["train", "unseen"]:
+        for k in range(1, 6):
+            assert f"eval/{split}/success_depth_{k}" in eval_keys
+    lambdas = {r["phase"]: r["charts/lambda_depth"] for r in records if "charts/lambda_depth" in r}
+    assert lambdas == {"pretrain": 0.0, "flexloop": 1.0}
+    final = gcdqn.load_checkpoint(run_dir / "final.pt")
+    assert final["updates"] == 4 * 3 and final["global_step"] == 4 * 16 * 10
+    assert final["phase"] == "flexloop" and gcdqn.load_checkpoint(run_dir / "pretrained.pt")["phase"] == "pretrain"
+
+
+def test_checkpoint_loads_in_a_fresh_process(tmp_path):
+    run_dir = gcdqn.train(tiny_args(tmp_path, pretrain_epochs=0))
+    code = ("import torch, flexloop_gcdqn as g; c = g.load_checkpoint(r'%s'); n, a = g.network_from_checkpoint(c); "
+            "q = n.all_depths(torch.zeros(2, 36), torch.zeros(2, 36)); print(tuple(q.shape), a.depth)" % (run_dir / "final.pt"))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "(5, 2, 2, 6) 5"
+
+
+def test_resume_continues_steps_and_metrics_without_duplicates(tmp_path):
+    # A full run, and a run interrupted after 2 of 4 intervals and resumed, must log the same steps.
+    full_dir = gcdqn.train(tiny_args(tmp_path / "full"))
+    cut = tiny_args(tmp_path / "cut")
+    run_dir = gcdqn.train(dataclasses.replace(cut, pretrain_epochs=1, num_epochs=0))  # stops after pretraining
+    checkpoint = gcdqn.load_checkpoint(run_dir / "latest.pt")
+    assert checkpoint["interval"] == 2
+    # Resuming keeps the checkpoint's own flags, so extend the budget the way a killed run would have had it.
+    checkpoint["args"]["num_epochs"] = 1
+    gcdqn.save_checkpoint(run_dir / "latest.pt", checkpoint)
+    with open(run_dir / "metrics.jsonl", "a") as f:  # a record the killed run wrote after its checkpoint
+        f.write(json.dumps({"global_step": 10 ** 9, "phase": "flexloop"}) + "\n")
+    resumed_dir = gcdqn.train(dataclasses.replace(cut, resume=str(run_dir / "latest.pt")))
+    assert resumed_dir == run_dir
+    steps = [(r["global_step"], tuple(sorted(r))) for r in read_metrics(run_dir)]
+    full_steps = [(r["global_step"], tuple(sorted(r))) for r in read_metrics(full_dir)]
+    assert steps == full_steps
+    assert gcdqn.load_checkpoint(run_dir / "final.pt")["updates"] == 4 * 3
+
+
+def test_init_checkpoint_starts_post_training_from_pretrained_weights(tmp_path):
+    pre_dir = iru_pretrain.main("gcdqn", tiny_args(tmp_path / "pre"))
+    pretrained = gcdqn.load_checkpoint(pre_dir / "final.pt")
+    assert pretrained["phase"] == "pretrain" and pretrained["args"]["lambda_depth"] == 0.0
+    post_dir = gcdqn.train(tiny_args(tmp_path / "post", init_checkpoint=str(pre_dir / "final.pt"),
+                                     updates_per_rollout=0 + 1, num_epochs=1))
+    records = read_metrics(post_dir)
+    assert {r["phase"] for r in records} == {"flexloop"}  # no second pretraining
+    with pytest.raises(ValueError, match="--hidden-dim"):
+        gcdqn.train(tiny_args(tmp_path / "bad", init_checkpoint=str(pre_dir / "final.pt"), hidden_dim=32))
+
+
+def test_hostile_and_broken_checkpoints_are_refused(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (print, ("code ran",))
+
+    hostile = tmp_path / "hostile.pt"
+    torch.save({"format": gcdqn.CHECKPOINT_FORMAT, "x": Payload()}, hostile)
+    with pytest.raises(ValueError, match="weights_only"):
+        gcdqn.load_checkpoint(hostile)
+    truncated = tmp_path / "truncated.pt"
+    run_dir = gcdqn.train(tiny_args(tmp_path / "run", pretrain_epochs=0))
+    truncated.write_bytes((run_dir / "final.pt").read_bytes()[:1000])
+    with pytest.raises(ValueError, match="corrupt|truncated"):
+        gcdqn.load_checkpoint(truncated)
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(3)}, other)
+    with pytest.raises(ValueError, match="not a FlexLoop checkpoint"):
+        gcdqn.load_checkpoint(other)
+    with pytest.raises(ValueError, match="flexloop_gcdqn.py"):
+        gcdqn.load_checkpoint(run_dir / "final.pt", algorithm="gcppo")
+    with pytest.raises(FileNotFoundError):
+        gcdqn.load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_iru_pretrain_cli_runs(tmp_path):
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k not in ("cuda",)]
+    out = subprocess.run([sys.executable, "iru_pretrain.py", "gcdqn", *flags, "--no-cuda", f"--run-dir={tmp_path}"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (run_dir,) = tmp_path.iterdir()
+    assert gcdqn.load_checkpoint(run_dir / "final.pt")["args"]["lambda_depth"] == 0.0
+
+
+# ----- learning -----
+
+def easy_task_success(network, num_envs=2048, steps=10, seed=0):
+    """Success on one-box tasks that take three actions (pick up, step right, put down), acting as training
+    does (sampling softmax(Q / alpha)); the episode lasts `steps` and succeeds if the box ends on the target."""
+    env = BoxPickVecEnv(num_envs, variant="Generalize-1-1", episode_length=steps, check_actions=False)
+    generator = torch.Generator().manual_seed(seed)
+    cells = torch.randint(0, 6, (num_envs,), generator=generator) * 6 + torch.randint(0, 5, (num_envs,), generator=generator)
+    grid = torch.zeros(num_envs, 36, dtype=torch.long)
+    grid[torch.arange(num_envs), cells] = AGENT_ON_BOX
+    grid[torch.arange(num_envs), cells + 1] = TARGET
+    obs, _ = env.reset(options={"grid": grid})
+    for _ in range(steps):
+        action = gcdqn.act_at_depth(network, obs["observation"], obs["desired_goal"], network.depth, generator)
+        obs, _, _, _, info = env.step(action)
+    return info["episode_success"].mean().item()
+
+
+def test_training_improves_success_on_a_small_task(tmp_path):
+    """About 4,000 updates on Generalize-1-1 (one box, one target; 20-step episodes; gamma 0.9) must raise
+    success on short one-box tasks well above the untrained policy's (about 0.02; 2,048 episodes, so the
+    binomial noise is about 0.003)."""
+    args = gcdqn.Args(env_id="BoxPick-Generalize-1-1-v0", episode_length=20, gamma=0.9, hidden_dim=64, depth=2,
+                      num_envs=64, batch_size=64, updates_per_rollout=100, intervals_per_epoch=10, pretrain_epochs=4,
+                      num_epochs=0, eval_every=1000, num_eval_envs=16, log_every=1000, save_every=1000, cuda=False,
+                      run_dir=str(tmp_path), seed=0)
+    before = easy_task_success(gcdqn.build_network(args, "cpu"))
+    run_dir = gcdqn.train(args)
+    network, _ = gcdqn.network_from_checkpoint(gcdqn.load_checkpoint(run_dir / "final.pt"))
+    after = easy_task_success(network)
+    assert after > before + 0.015 and after > 1.5 * before, (before, after)
