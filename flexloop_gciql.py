@@ -742,10 +742,12 @@ def train(args: Args):
     interrupted = []
     signal.signal(signal.SIGTERM, lambda *_: interrupted.append(True))  # SLURM preemption: save, then exit
 
-    train_time, updates_since_log, tick = 0.0, 0, time.time()
+    train_time, updates_since_log, tick, lambda_depth_now = 0.0, 0, time.time(), 0.0
     while global_step < total_updates:
         phase, lam = phase_at(global_step)
-        lambda_depth.fill_(lam)
+        if lam != lambda_depth_now:
+            lambda_depth.fill_(lam)
+            lambda_depth_now = lam
         if run_update is update and args.cuda_graph and on_cuda:
             run_update = capture_cuda_graph(update, generators["sample"])
             global_step += CUDA_GRAPH_WARMUP  # the capture's warm-up runs real updates

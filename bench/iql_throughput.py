@@ -1,0 +1,139 @@
+"""GC-IQL throughput of flexloop_gciql.py: gradient updates per second (IRU-5 value, critic and actor at batch
+1024 on a synthetic dataset of the dataset's shapes, on the device) and evaluation episodes per second (OGBench
+MuJoCo envs on the CPU, side by side, acting with an untrained actor at every depth as training evaluates).
+
+    python bench/iql_throughput.py                                  # every mode on the GPU, then evaluation
+    python bench/iql_throughput.py --modes eager --updates 20 --batch-size 64 --hidden-dim 32 --states 20000 \\
+        --eval-episodes 1 --eval-envs 5 --no-eval-async              # a CPU check
+
+Update modes: eager (plain PyTorch), graph (one update captured in a CUDA graph), compile-graph (the losses
+torch.compile'd, then captured: what flexloop_gciql.py does on GPU), compile-update-graph (the whole update
+compiled, then captured). The goal is 1M updates in 30 min, about 560 updates/s. Prints one JSON line per
+measurement. The untrained actor rarely reaches a goal, so its episodes run to the time limit: the slowest case.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import flexloop_gciql as gciql  # noqa: E402
+from envs import ogbench_data  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def synthetic_dataset(spec, states, trajectory_length, device):
+    """Random observations and actions in trajectories of trajectory_length states: the sampler and the networks
+    do the same work on it as on the real data."""
+    generator = np.random.default_rng(0)
+    observations = generator.standard_normal((states, spec.obs_dim)).astype(np.float32)
+    actions = generator.uniform(-1, 1, (states, spec.action_dim)).astype(np.float32)
+    valids = np.ones(states, np.float32)
+    valids[trajectory_length - 1::trajectory_length] = 0.0
+    valids[-1] = 0.0
+    return ogbench_data.GCDataset(observations, actions, valids, device=device,
+                                  actor_p_curgoal=spec.actor_p_curgoal, actor_p_trajgoal=spec.actor_p_trajgoal,
+                                  actor_p_randomgoal=spec.actor_p_randomgoal, actor_geom_sample=spec.actor_geom_sample)
+
+
+def measure_updates(args, dataset, device, mode, lam, num_updates):
+    torch.manual_seed(0)
+    agent = gciql.build_agent(args, device)
+    target_critic = gciql.build_agent(args, device).critic
+    target_critic.load_state_dict(agent.critic.state_dict())
+    target_critic.requires_grad_(False)
+    on_cuda = device.type == "cuda"
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, capturable=on_cuda, fused=on_cuda)
+    generator = torch.Generator(device).manual_seed(0)
+    lambda_depth = torch.full((), lam, device=device)
+    loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device=device)
+    update = gciql.make_update(agent, target_critic, optimizer, dataset, args, generator, lambda_depth, loss_sums,
+                               compile_losses=mode == "compile-graph")
+    if mode == "compile-update-graph":
+        update = torch.compile(update)
+    if mode.endswith("graph"):
+        update = gciql.capture_cuda_graph(update, generator)
+    else:
+        for _ in range(3):
+            update()  # warm-up
+    sync(device)
+    loss_sums.zero_()
+    start = time.perf_counter()
+    for _ in range(num_updates):
+        update()
+    sync(device)
+    elapsed = time.perf_counter() - start
+    means = (loss_sums / num_updates).tolist()
+    return {"what": "updates", "mode": mode, "lambda_depth": lam, "updates_per_second": round(num_updates / elapsed, 1),
+            "minutes_per_1M_updates": round(1e6 * elapsed / num_updates / 60, 1),
+            "critic_loss": round(means[1], 5), "depth_kl": round(means[3], 5)}
+
+
+def measure_evaluation(args, device, episodes, num_envs, async_envs):
+    spec = ogbench_data.get_spec(args.env_name)
+    actor = gciql.IRUActor(spec.obs_dim, spec.action_dim, args.depth, args.hidden_dim, args.iru_variant).to(device)
+    start = time.perf_counter()
+    vector_env = gciql.make_eval_vector_env(args.env_name, num_envs, async_envs)
+    made = time.perf_counter()
+    policy_fn = gciql.depth_policy_fn(actor, device)
+    env_steps = []
+
+    def counting_policy_fn(obs, goal, policy_index):
+        env_steps.append(len(obs))
+        return policy_fn(obs, goal, policy_index)
+
+    success = gciql.rollout(counting_policy_fn, vector_env, gciql.TASK_IDS, episodes, args.depth, seed=0)
+    elapsed = time.perf_counter() - made
+    vector_env.close()
+    return {"what": "evaluation", "env_name": args.env_name, "eval_envs": num_envs, "async": async_envs,
+            "episodes": int(success.size), "episodes_per_second": round(success.size / elapsed, 2),
+            "env_steps_per_second": round(sum(env_steps) / elapsed), "vector_steps": len(env_steps),
+            "make_envs_seconds": round(made - start, 1), "seconds_per_evaluation": round(elapsed, 1)}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--env-name", default="cube-double-play-v0", choices=list(ogbench_data.DATASETS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--modes", nargs="+", default=None, help="eager, graph, compile-graph, compile-update-graph")
+    parser.add_argument("--updates", type=int, default=2000)
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=5)
+    parser.add_argument("--hidden-dim", type=int, default=256)
+    parser.add_argument("--states", type=int, default=1_000_000, help="states in the synthetic dataset")
+    parser.add_argument("--trajectory-length", type=int, default=1001)
+    parser.add_argument("--eval-episodes", type=int, default=2, help="per task and depth; 0 skips evaluation")
+    parser.add_argument("--eval-envs", type=int, default=50)
+    parser.add_argument("--eval-async", action=argparse.BooleanOptionalAction, default=True)
+    cli = parser.parse_args()
+    device = torch.device(cli.device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    args = gciql.resolve_dataset_defaults(dataclasses.replace(
+        gciql.Args(), env_name=cli.env_name, batch_size=cli.batch_size, depth=cli.depth, hidden_dim=cli.hidden_dim))
+    modes = cli.modes or (["eager", "graph", "compile-graph", "compile-update-graph"] if device.type == "cuda"
+                          else ["eager"])
+    card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    common = {"device": card, "torch": torch.__version__, "env_name": args.env_name, "depth": args.depth,
+              "hidden_dim": args.hidden_dim, "batch_size": args.batch_size}
+    dataset = synthetic_dataset(ogbench_data.get_spec(args.env_name), cli.states, cli.trajectory_length, device)
+    for mode in modes:
+        for lam in (0.0, args.lambda_depth):
+            try:
+                result = measure_updates(args, dataset, device, mode, lam, cli.updates)
+            except Exception as error:  # report and go on to the next mode
+                result = {"what": "updates", "mode": mode, "lambda_depth": lam, "error": repr(error)[:400]}
+            print(json.dumps({**result, **common}), flush=True)
+    if cli.eval_episodes > 0:
+        result = measure_evaluation(args, device, cli.eval_episodes, cli.eval_envs, cli.eval_async)
+        print(json.dumps({**result, **common, "cpu_count": os.cpu_count()}), flush=True)
