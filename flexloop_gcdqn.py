@@ -130,6 +130,8 @@ class Args:
     """torch.compile the update on GPU (about 2x faster there; ignored on CPU, where it does not pay)"""
     cuda_graph: bool = True
     """capture one update (sampling included) in a CUDA graph and replay it (GPU only)"""
+    bf16: bool = False
+    """run the update's forward passes under bf16 autocast (faster on GPU; not yet shown to learn as well)"""
 
 
 def check_args(args: Args):
@@ -500,14 +502,17 @@ def set_rng_state(state, generators):
 def make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums):
     """One update: sample a relabelled batch, TD loss at depth K + lambda * adjacent-depth KL + the
     temperature loss, Adam, Polyak. No host sync, fixed shapes: it can be captured in a CUDA graph."""
-    rows = torch.arange(args.batch_size, device=lambda_depth.device)
+    device = lambda_depth.device
+    rows = torch.arange(args.batch_size, device=device)
+    autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
 
     def update():
         batch = replay.sample(args.batch_size, generator)
-        with torch.no_grad():
-            target_q_next = target_network.all_depths(batch["next_obs"], batch["goal"])[-1]
-            y = td_target(target_q_next, batch["reward"], args.gamma)
-        q_per_depth = network.all_depths(batch["obs"], batch["goal"])  # (K, E, B, A)
+        with torch.no_grad(), autocast():
+            target_q_next = target_network.all_depths(batch["next_obs"], batch["goal"])[-1].float()
+        y = td_target(target_q_next, batch["reward"], args.gamma)
+        with autocast():
+            q_per_depth = network.all_depths(batch["obs"], batch["goal"]).float()  # (K, E, B, A)
         q_taken = q_per_depth[-1][:, rows, batch["action"]]  # (E, B)
         td_loss = ((q_taken - y) ** 2).mean(1).sum()  # MSE on each critic
         depth_loss = flexloop_depth_loss(q_per_depth, args.policy_temperature)
@@ -625,17 +630,22 @@ def train(args: Args):
     interrupted = []
     signal.signal(signal.SIGTERM, lambda *_: interrupted.append(True))  # SLURM preemption: save, then exit
 
+    def collect():  # one training episode in every env at full depth
+        return run_episode(network, env, args.depth, generators["actions"])
+
+    if args.cuda_graph and device.type == "cuda":
+        collect = capture_cuda_graph(collect, [generators["actions"], env.generator])
+
     start_time, start_updates, start_steps = time.time(), updates, env_steps
     while interval < total_intervals:
         phase, lam, _ = phase_at(interval)
         lambda_depth.fill_(lam)
-        network.train()
-        observations, actions, lengths, success, _ = run_episode(network, env, args.depth, generators["actions"])
+        observations, actions, lengths, success, _ = collect()
         replay.add(observations, actions, lengths)
         env_steps += args.num_envs * args.episode_length
 
         if run_update is update and args.cuda_graph and device.type == "cuda":
-            run_update = capture_cuda_graph(update, generators["replay"])
+            run_update = capture_cuda_graph(update, [generators["replay"]])
             updates += CUDA_GRAPH_WARMUP  # the capture's warm-up runs real updates
         for _ in range(args.updates_per_rollout):
             run_update()
@@ -656,7 +666,6 @@ def train(args: Args):
             last_metrics = metrics_log.write(metrics, env_steps)
             pbar.set_postfix(td=f"{last_metrics['losses/td_loss']:.3g}", kl=f"{last_metrics['losses/depth_kl']:.3g}")
         if interval % args.eval_every == 0 or interval == total_intervals or phase_at(interval)[0] != phase:
-            network.eval()
             results = metrics_log.write({"phase": phase, **evaluate(network, eval_envs, generators["eval"])}, env_steps)
             last_metrics.update(results)
             pbar.write(format_eval(results, args.depth, interval))
@@ -707,20 +716,28 @@ def format_eval(results, depth, interval):
 CUDA_GRAPH_WARMUP = 3
 
 
-def capture_cuda_graph(update, generator):
-    """Record one update in a CUDA graph (sampling, forward, backward, Adam, Polyak) and return its replay.
-    Warm-up runs on a side stream first, as torch.cuda.graphs requires."""
+def capture_cuda_graph(fn, generators):
+    """Record fn() in a CUDA graph and return a function that replays it and returns fn's (static) outputs.
+
+    Warm-up calls run on a side stream first, as torch.cuda.graphs requires; they do real work. The random
+    generators fn draws from are registered, so every replay draws fresh numbers."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(CUDA_GRAPH_WARMUP):
-            update()
+            fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    graph.register_generator_state(generator)  # each replay draws fresh replay samples
+    for generator in generators:
+        graph.register_generator_state(generator)
     with torch.cuda.graph(graph):
-        update()
-    return graph.replay
+        outputs = fn()
+
+    def replay():
+        graph.replay()
+        return outputs
+
+    return replay
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes):
     if mode == "compile-graph":
         update = torch.compile(update)
     if mode in ("graph", "compile-graph"):
-        update = gcdqn.capture_cuda_graph(update, generator)
+        update = gcdqn.capture_cuda_graph(update, [generator])
     else:
         for _ in range(3):
             update()  # warm-up
@@ -86,11 +86,11 @@ if __name__ == "__main__":
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--fill-episodes", type=int, default=4)
     parser.add_argument("--collect-episodes", type=int, default=5)
-    parser.add_argument("--bf16", action="store_true", help="run the updates under bf16 autocast")
+    parser.add_argument("--bf16", action="store_true", help="the updates' forward passes under bf16 autocast")
     cli = parser.parse_args()
     device = torch.device(cli.device)
     torch.backends.cuda.matmul.allow_tf32 = True
-    args = dataclasses.replace(gcdqn.Args(), num_envs=cli.num_envs, batch_size=cli.batch_size)
+    args = dataclasses.replace(gcdqn.Args(), num_envs=cli.num_envs, batch_size=cli.batch_size, bf16=cli.bf16)
     modes = cli.modes or (["eager", "graph", "compile-graph"] if device.type == "cuda" else ["eager"])
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "depth": args.depth, "hidden_dim": args.hidden_dim,
@@ -99,8 +99,7 @@ if __name__ == "__main__":
     for mode in modes:
         for lam in (0.0, 1.0):
             try:
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cli.bf16):
-                    result = measure_updates(args, device, mode, lam, cli.updates, cli.fill_episodes)
+                result = measure_updates(args, device, mode, lam, cli.updates, cli.fill_episodes)
             except Exception as error:  # report and go on to the next mode
                 result = {"what": "updates", "mode": mode, "lambda_depth": lam, "error": repr(error)[:400]}
             print(json.dumps({**result, **common, "bf16": cli.bf16}), flush=True)
