@@ -1,0 +1,1137 @@
+"""Depth elasticity and state-wise adaptive inference of FlexLoop checkpoints (one file, CleanRL style).
+
+    python eval_adaptive.py --checkpoints runs/X/pretrained.pt runs/X/final.pt --labels IRU-5 FlexLoop
+    python eval_adaptive.py --checkpoints runs/X/final.pt --stress-envs 1024 32768      # + wall-clock stress test
+
+Reads any checkpoint of flexloop_gcdqn.py (BoxPick), flexloop_gcppo.py (LightsOut) or flexloop_gciql.py (OGBench),
+rebuilds its network with that script's own `network_from_checkpoint`, and drives it through the depth protocol
+(start / advance / decide / divergence / gather / act). It reports:
+  1. elasticity: success at every fixed depth 1..K, per split (OGBench: per task);
+  2. adaptive inference over an eps grid: success, mean depth, depth histogram, ideal speed-up K / mean depth;
+  3. calibration: the largest eps that keeps `--retain` of full-depth success on the train split, reported on unseen;
+  4. (--stress-envs) wall clock of whole env steps at full depth against compacted and masked adaptive inference;
+  5. analysis: delta_k against D(pi_K, pi_k) in quantile bins, per-step depth traces, BoxPick frames.
+
+The stopping rule (REFERENCE.md §5): k* = min({k > k_min : delta_k < eps} ∪ {K}), acting with pi_{k*}, where
+    delta_k = divergence(pi_k, pi_{k-1}),
+the script's own divergence with the deeper policy first: the direction of its training loss KL(sg[pi_{k+1}] || pi_k)
+(for GC-DQN delta_k = KL(pi_k || pi_{k-1})). The paper writes D(pi_{k-1}, pi_k) for a generic D. delta_k is clamped
+at 0 (a KL of equal policies can round to -1e-9), so eps = 0 always runs to K. With k_min = 0, delta_1 compares
+pi_1 with pi_0 = decide(start(obs, goal)), the depth-0 decision.
+"""
+
+import importlib
+import json
+import math
+import os
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import tyro
+from tqdm.auto import tqdm
+
+import envs
+
+# The paper's eps grids (REFERENCE.md §5, appendix "Pareto Curve").
+EPS_GRIDS = {
+    "boxpick": (0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1),
+    "lightsout": tuple(np.linspace(0.0, 0.05, 11).round(6).tolist()),
+    "ogbench-manipulation": tuple(np.linspace(0.0, 0.005, 11).round(7).tolist()),
+    "ogbench-navigation": tuple(np.linspace(0.0, 0.05, 11).round(6).tolist()),
+}
+# The paper's wall-clock anchor (Table 3, BoxPick-Exact-4, 32,768 envs, unseen): 1.34x at mean depth 3.80 of 5.
+PAPER_ANCHOR = {"speedup": 1.34, "mean_depth": 3.80, "depth": 5, "num_envs": 32768, "env_id": "BoxPick-Exact-4-v0"}
+
+
+@dataclass
+class Args:
+    checkpoints: tuple[str, ...] = ()
+    """checkpoint files to evaluate, all on one env (e.g. runs/X/pretrained.pt runs/X/final.pt)"""
+    labels: tuple[str, ...] = ()
+    """one name per checkpoint for tables and plots (default: <run folder>/<file stem>)"""
+    exp_name: str = "eval_adaptive"
+    """the name of this evaluation (part of the output folder's name)"""
+    seed: int = 1
+    """seed of the evaluation envs and action sampling (the same tasks for every checkpoint, depth and eps)"""
+    torch_deterministic: bool = True
+    """sets `torch.backends.cudnn.deterministic`"""
+    cuda: bool = True
+    """use CUDA when it is available"""
+    require_cuda: bool = False
+    """fail instead of falling back to CPU when no GPU is present"""
+    track: bool = False
+    """log the tables and plots to Weights & Biases (honours WANDB_MODE=offline)"""
+    wandb_project_name: str = "flexloop"
+    """the W&B project"""
+    wandb_entity: Optional[str] = None
+    """the W&B entity (team)"""
+    wandb_group: Optional[str] = None
+    """the W&B group, to compare the runs of one study"""
+    wandb_tags: tuple[str, ...] = ()
+    """W&B tags"""
+    out_dir: Optional[str] = None
+    """write results.json and the plots here (default: results/<env>__<exp_name>__<seed>__<time>)"""
+
+    # Evaluation
+    num_eval_envs: Optional[int] = None
+    """envs per split (default: BoxPick 1024, LightsOut 128) or episodes per task (OGBench, default 50)"""
+    eps: tuple[float, ...] = ()
+    """stopping thresholds to sweep (default: the paper's grid for the env family, REFERENCE.md §5)"""
+    k_min: int = 1
+    """minimum depth: a row can stop at depths k > k_min only (0 <= k_min < K)"""
+    retain: float = 0.99
+    """calibration: the largest eps whose train success stays >= retain * full-depth train success"""
+    analysis_bins: int = 10
+    """quantile bins of delta_k for the delta_k vs D(pi_K, pi_k) plot"""
+    trace_frames: int = 20
+    """BoxPick: rendered grids in the depth-trace strip (the first steps of one episode)"""
+    skip_eval: bool = False
+    """run only the wall-clock stress test (needs --stress-eps)"""
+
+    # Wall-clock stress test (BoxPick, gcdqn checkpoints)
+    stress_envs: tuple[int, ...] = ()
+    """parallel envs of the stress test, e.g. 1024 32768 (empty: no stress test)"""
+    stress_env_id: str = "BoxPick-Exact-4-v0"
+    """env of the stress test (the paper's Table 3)"""
+    stress_split: Literal["train", "unseen"] = "unseen"
+    """task split of the stress test (the paper's 1.34x anchor is on unseen tasks)"""
+    stress_eps: Optional[float] = None
+    """eps of the stress test (default: each checkpoint's calibrated eps)"""
+    stress_mode: Literal["compact", "masked", "both"] = "both"
+    """adaptive inference to time against full depth: compacted active rows, masked rows, or both"""
+    stress_warmup: int = 100
+    """untimed env steps per mode first (one BoxPick episode: compile, capture, bucket sizes settle)"""
+    stress_samples: int = 50
+    """timing samples per mode (modes take turns, so drift hits all alike)"""
+    stress_block: int = 10
+    """env steps per timing sample"""
+    stress_min_shrink: float = 0.1
+    """compact only when at least this fraction of the active rows stopped since the last compaction"""
+    stress_bucket_margin: float = 0.05
+    """CUDA graphs: compacted sizes are the recent maximum count plus this margin, rounded up to num_envs/32"""
+    compile: bool = False
+    """torch.compile the network's advance and decide (every mode, the baseline included)"""
+    cuda_graph: bool = True
+    """replay each whole env step from a CUDA graph (GPU only); compact mode captures one graph per bucket sizes"""
+
+
+def check_args(args: Args):
+    """Refuse bad flags before any work starts, naming the fix."""
+    if not args.checkpoints:
+        raise ValueError("give at least one checkpoint: --checkpoints runs/<run_name>/final.pt [more.pt ...]")
+    if args.labels and len(args.labels) != len(args.checkpoints):
+        raise ValueError(f"--labels has {len(args.labels)} names for {len(args.checkpoints)} checkpoints; "
+                         "give one label per checkpoint or none")
+    if len(set(labels_for(args))) != len(args.checkpoints):
+        raise ValueError(f"labels {labels_for(args)} are not distinct; pass --labels with one distinct name each")
+    for eps in args.eps + ((args.stress_eps,) if args.stress_eps is not None else ()):
+        if not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"eps must be a finite number >= 0, got {eps} (eps = 0 means always depth K)")
+    if args.k_min < 0:
+        raise ValueError(f"--k-min must be >= 0 (and below the checkpoint's depth K), got {args.k_min}")
+    if not 0 < args.retain <= 1:
+        raise ValueError(f"--retain must lie in (0, 1], got {args.retain}")
+    for name in ["analysis_bins", "trace_frames", "stress_warmup", "stress_samples", "stress_block"]:
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.num_eval_envs is not None and args.num_eval_envs <= 0:
+        raise ValueError(f"--num-eval-envs must be positive, got {args.num_eval_envs}")
+    if any(n <= 0 for n in args.stress_envs):
+        raise ValueError(f"--stress-envs must be positive env counts, got {args.stress_envs}")
+    if not 0 <= args.stress_min_shrink < 1 or args.stress_bucket_margin < 0:
+        raise ValueError("--stress-min-shrink must lie in [0, 1) and --stress-bucket-margin must be >= 0")
+    if args.stress_env_id not in envs.BOXPICK_IDS:
+        raise ValueError(f"--stress-env-id must be a BoxPick env (the stress test drives gcdqn checkpoints), "
+                         f"got {args.stress_env_id!r}; choose one of {list(envs.BOXPICK_IDS)}")
+    if args.skip_eval and not args.stress_envs:
+        raise ValueError("--skip-eval leaves nothing to do without --stress-envs")
+    if args.skip_eval and args.stress_eps is None:
+        raise ValueError("--skip-eval has no calibrated eps for the stress test; pass --stress-eps (e.g. 0.02)")
+    if args.require_cuda and not torch.cuda.is_available():
+        raise RuntimeError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
+
+
+def labels_for(args: Args):
+    """--labels, else the file stems (pretrained, final), else <run folder>/<stem> when stems repeat."""
+    if args.labels:
+        return list(args.labels)
+    stems = [Path(p).stem for p in args.checkpoints]
+    if len(set(stems)) == len(stems):
+        return stems
+    return [f"{Path(p).parent.name}/{Path(p).stem}" for p in args.checkpoints]
+
+
+def check_k_min(k_min, depth, label):
+    if not 0 <= k_min < depth:
+        raise ValueError(f"--k-min {k_min} must satisfy 0 <= k_min < K = {depth} for checkpoint {label}; "
+                         f"pass --k-min between 0 and {depth - 1}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading: dispatch on checkpoint["algorithm"] to the script that wrote it.
+# ---------------------------------------------------------------------------------------------------------
+def import_script(algorithm, path=None):
+    """The script module flexloop_<algorithm>, with an error that says what is missing."""
+    if algorithm not in ADAPTERS:
+        raise ValueError(f"checkpoint {path} has algorithm {algorithm!r}; eval_adaptive.py knows {list(ADAPTERS)}")
+    name = f"flexloop_{algorithm}"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise
+        raise ModuleNotFoundError(f"checkpoint {path} was written by {name}.py, which is not in this checkout; "
+                                  f"add {name}.py next to eval_adaptive.py") from error
+
+
+def load_any_checkpoint(path):
+    """Read the algorithm tag, then load the checkpoint with that script's own load_checkpoint (weights_only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist; pass a .pt file written by a flexloop_*.py "
+                                "script, e.g. runs/<run_name>/final.pt")
+    try:
+        peek = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # unpickling refused, truncated or not a torch file
+        raise ValueError(f"{path} is not a loadable FlexLoop checkpoint: it is corrupt, truncated, not a checkpoint, "
+                         f"or carries code that weights_only loading refuses ({type(error).__name__})") from error
+    if not isinstance(peek, dict) or "algorithm" not in peek:
+        raise ValueError(f"{path} is not a FlexLoop checkpoint (no 'algorithm' entry)")
+    module = import_script(peek["algorithm"], path)
+    return module, module.load_checkpoint(path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The stopping rule and per-row depth choice. A decision is one tensor with the batch first: logits (B, A), or
+# GC-IQL's Gaussian packed as (B, 2, A).
+# ---------------------------------------------------------------------------------------------------------
+def stopping_depths(deltas, eps, k_min):
+    """k* = min({k > k_min : delta_k < eps} ∪ {K}) per row, from deltas (K, B) with deltas[k - 1] = delta_k.
+
+    eps is a number or a per-row tensor (B,). deltas[0] = delta_1 is read only when k_min = 0. Negative deltas
+    count as 0, so eps = 0 gives K."""
+    depth = deltas.shape[0]
+    ks = torch.arange(1, depth + 1, device=deltas.device)[:, None]
+    stops = ((deltas.clamp(min=0) < eps) & (ks > k_min)) | (ks == depth)
+    return torch.where(stops, ks, depth).amin(0)
+
+
+@torch.no_grad()
+def depth_decisions(network, obs, goal, with_depth_zero=False):
+    """The decisions of depths 1..K (and pi_0 first when asked), one recurrent step at a time."""
+    state = network.start(obs, goal)
+    decisions = [network.decide(state)] if with_depth_zero else []
+    for _ in range(network.depth):
+        state = network.advance(state)
+        decisions.append(network.decide(state))
+    return decisions
+
+
+def adjacent_divergences(network, decisions, decision_0=None):
+    """deltas (K, B): deltas[k - 1] = delta_k = divergence(pi_k, pi_{k-1}); delta_1 is inf unless pi_0 is given."""
+    first = network.divergence(decisions[0], decision_0) if decision_0 is not None else \
+        torch.full(decisions[0].shape[:1], math.inf, device=decisions[0].device)
+    return torch.stack([first] + [network.divergence(decisions[k], decisions[k - 1]) for k in range(1, len(decisions))])
+
+
+class DepthChoice:
+    """Each row's depth in evaluation episodes whose rows follow different policies: a fixed depth {"depth": k}
+    or the stopping rule {"eps": e} (with k_min). policy_index (B,) names the policy of each row.
+
+    It computes every depth for every row (K recurrent steps), so the choice is exact and the analysis can record
+    delta_k and D(pi_K, pi_k) of the rows that follow `record_policy`; the stress test's compacted_policy is the
+    version that saves work."""
+
+    def __init__(self, network, policies, k_min=1, record_policy=None):
+        self.network, self.policies, self.k_min, self.record_policy = network, policies, k_min, record_policy
+        self.num_policies = len(policies)
+        self.fixed = torch.tensor([p.get("depth", 0) for p in policies])  # 0: adaptive
+        self.eps = torch.tensor([float(p.get("eps", 0.0)) for p in policies])
+        self.with_depth_zero = k_min == 0 and any("eps" in p for p in policies)
+        self.recorded = []
+
+    @torch.no_grad()
+    def __call__(self, obs, goal, policy_index):
+        network, K = self.network, self.network.depth
+        decisions = depth_decisions(network, obs, goal, self.with_depth_zero)
+        decision_0 = decisions.pop(0) if self.with_depth_zero else None
+        deltas = adjacent_divergences(network, decisions, decision_0)
+        fixed, eps = self.fixed.to(obs.device)[policy_index], self.eps.to(obs.device)[policy_index]
+        depth = torch.where(fixed > 0, fixed, stopping_depths(deltas, eps, self.k_min))
+        rows = torch.arange(depth.shape[0], device=depth.device)
+        decision = torch.stack(decisions)[depth - 1, rows]
+        if self.record_policy is not None and K > 2:  # delta_k and the distance to the endpoint, k = 2..K-1
+            endpoint = torch.stack([network.divergence(decisions[-1], decisions[k]) for k in range(1, K - 1)])
+            self.recorded.append((deltas[1:K - 1].clamp(min=0), endpoint.clamp(min=0),
+                                  (policy_index == self.record_policy).expand(K - 2, -1)))
+        return decision, depth
+
+    def recorded_pairs(self):
+        """(delta_k, D(pi_K, pi_k)) of every recorded row and depth, on the CPU (one sync, after the episodes)."""
+        if not self.recorded:
+            return torch.zeros(0), torch.zeros(0)
+        deltas, endpoint, mask = (torch.cat([r[i].flatten() for r in self.recorded]).cpu() for i in range(3))
+        return deltas[mask], endpoint[mask]
+
+
+def count_depths(counts, index):
+    """counts[index] += 1 per row (index_add: no host sync, capturable in a CUDA graph)."""
+    return counts.index_add_(0, index, torch.ones_like(index, dtype=counts.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Family adapters: the eval envs of a split (or task), episodes in which row blocks follow different policies.
+# run(group, choice) returns, per policy, {"success", "depth_counts", "trace"}; trace(group, choice) is one
+# episode's per-step depths under the single policy of `choice`.
+# ---------------------------------------------------------------------------------------------------------
+class BoxPickAdapter:
+    """gcdqn on BoxPick: torch vector envs; 100-step episodes that never end early; success = reward 1 at the
+    episode's last step; actions sampled from softmax(Q / alpha) by network.act, as training evaluates.
+    Every policy plays the same num_envs tasks: one block of envs per policy, reset from the same grids."""
+
+    family = "boxpick"
+    groups = ("train", "unseen")
+
+    def __init__(self, module, network, train_args, env_id, args, device):
+        self.network, self.env_id, self.device = network, env_id, device
+        self.episode_length = getattr(train_args, "episode_length", 100)
+        self.num_envs = args.num_eval_envs or 1024
+        self.seed = args.seed
+
+    def eps_grid(self):
+        return EPS_GRIDS["boxpick"]
+
+    def make_env(self, group, num_envs):
+        return envs.make_vec(self.env_id, num_envs, device=self.device, split=group,
+                             seed=self.seed + 1000 + self.groups.index(group), episode_length=self.episode_length,
+                             check_actions=False).unwrapped
+
+    @torch.no_grad()
+    def run(self, group, choice):
+        P, N, K = choice.num_policies, self.num_envs, self.network.depth
+        tasks = self.make_env(group, N)
+        tasks.reset()
+        env = self.make_env(group, P * N)
+        obs, _ = env.reset(options={"grid": tasks.grid.repeat(P, 1)})
+        policy_index = torch.arange(P, device=self.device).repeat_interleave(N)
+        first_rows = torch.arange(P, device=self.device) * N  # each block's first env is traced
+        goals = obs["desired_goal"][first_rows].clone()
+        generator = torch.Generator(self.device).manual_seed(self.seed + 2)
+        counts = torch.zeros(P * K, device=self.device)
+        trace_depths, trace_grids = [], []
+        for _ in range(env.episode_length):
+            trace_grids.append(env.grid[first_rows].clone())
+            decision, depth = choice(obs["observation"], obs["desired_goal"], policy_index)
+            obs, _, _, _, info = env.step(self.network.act(decision, generator))
+            count_depths(counts, policy_index * K + depth - 1)
+            trace_depths.append(depth[first_rows])
+        success = info["episode_success"].view(P, N)
+        depths, grids = torch.stack(trace_depths, 1).tolist(), torch.stack(trace_grids, 1).tolist()
+        return [{"success": s, "depth_counts": c,
+                 "trace": {"depths": d, "episode_success": e, "grids": g, "goal": goal}}
+                for s, c, d, e, g, goal in zip(success.mean(1).tolist(), counts.view(P, K).tolist(), depths,
+                                               success[:, 0].tolist(), grids, goals.tolist())]
+
+    def trace(self, group, choice):
+        return self.run(group, choice)[0]["trace"]
+
+    def close(self):
+        pass
+
+
+class LightsOutAdapter:
+    """gcppo on LightsOut-4x5: torch vector envs; an episode ends on success (terminated) or fails when truncated
+    at 20 steps; deterministic argmax actions, as the reference evaluates. Each env's first episode counts, and
+    every policy plays the same tasks (one block of envs per policy)."""
+
+    family = "lightsout"
+    groups = ("train", "unseen")
+
+    def __init__(self, module, network, train_args, env_id, args, device):
+        self.network, self.env_id, self.device = network, env_id, device
+        self.max_steps = getattr(train_args, "max_episode_steps", 20)
+        self.num_envs = args.num_eval_envs or 128
+        self.seed = args.seed
+
+    def eps_grid(self):
+        return EPS_GRIDS["lightsout"]
+
+    def make_env(self, group, num_envs):
+        return envs.make_vec(self.env_id, num_envs, device=self.device, split=group,
+                             seed=self.seed + 1000 + self.groups.index(group), max_steps=self.max_steps,
+                             check_actions=False).unwrapped
+
+    @torch.no_grad()
+    def run(self, group, choice):
+        P, N, K = choice.num_policies, self.num_envs, self.network.depth
+        tasks = self.make_env(group, N)
+        tasks.reset()
+        env = self.make_env(group, P * N)
+        obs, _ = env.reset(options={"board": tasks.board.repeat(P, 1), "goal": tasks.goal.repeat(P, 1)})
+        policy_index = torch.arange(P, device=self.device).repeat_interleave(N)
+        first_rows = torch.arange(P, device=self.device) * N
+        counts = torch.zeros(P * K, device=self.device)
+        alive = torch.ones(P * N, dtype=torch.bool, device=self.device)
+        success = torch.zeros(P * N, device=self.device)
+        trace_depths, trace_alive = [], []
+        for _ in range(env.max_steps):
+            decision, depth = choice(obs["observation"], obs["desired_goal"], policy_index)
+            obs, _, _, _, info = env.step(self.network.act(decision, deterministic=True))
+            counts.index_add_(0, policy_index * K + depth - 1, alive.float())  # first episodes only
+            trace_depths.append(depth[first_rows])
+            trace_alive.append(alive[first_rows])
+            ended = alive & info["episode_done"]
+            success = torch.where(ended, info["episode_success"], success)
+            alive = alive & ~info["episode_done"]
+        success = success.view(P, N)
+        depths, steps = torch.stack(trace_depths, 1).tolist(), torch.stack(trace_alive, 1).sum(1).tolist()
+        return [{"success": s, "depth_counts": c, "trace": {"depths": d[:n], "episode_success": e}}
+                for s, c, d, n, e in zip(success.mean(1).tolist(), counts.view(P, K).tolist(), depths, steps,
+                                         success[:, 0].tolist())]
+
+    def trace(self, group, choice):
+        return self.run(group, choice)[0]["trace"]
+
+    def close(self):
+        pass
+
+
+class OGBenchAdapter:
+    """gciql on OGBench: the dataset's 5 evaluation tasks, episodes run side by side by flexloop_gciql.rollout
+    (its vector env, its episode seeds; success = the final info['success']), mean actions via network.act."""
+
+    family = "ogbench"
+    groups = ("task1", "task2", "task3", "task4", "task5")
+
+    def __init__(self, module, network, train_args, env_id, args, device):
+        from envs.ogbench_data import get_spec
+        for name in ("rollout", "make_eval_vector_env"):
+            if not hasattr(module, name):
+                raise AttributeError(f"{module.__name__}.py has no `{name}`; eval_adaptive.py runs OGBench episodes "
+                                     "through the script's rollout(policy_fn, vector_env, task_ids, episodes, "
+                                     "num_policies, seed) and make_eval_vector_env(env_name, num_envs, async_envs)")
+        self.module, self.network, self.env_id, self.device = module, network, env_id, device
+        self.spec = get_spec(env_id)
+        self.episodes = args.num_eval_envs or getattr(train_args, "eval_episodes", 50)
+        self.num_envs = getattr(train_args, "eval_envs", 50)
+        self.async_envs = getattr(train_args, "eval_async", True)
+        self.seed = args.seed
+        self.vector_env = None
+
+    def eps_grid(self):
+        return EPS_GRIDS[f"ogbench-{self.spec.family}"]
+
+    def run(self, group, choice):
+        return self.rollout(group, choice)[0]
+
+    @torch.no_grad()
+    def rollout(self, group, choice, episodes=None):
+        """Per-policy results, the depths of row 0 at every step, and the success array (P, episodes)."""
+        if self.vector_env is None:
+            self.vector_env = self.module.make_eval_vector_env(self.env_id, self.num_envs, self.async_envs)
+        P, K = choice.num_policies, self.network.depth
+        counts = torch.zeros(P * K, device=self.device)
+        first_row_depths = []
+
+        def policy_fn(obs, goal, policy_index):
+            obs = torch.as_tensor(obs, dtype=torch.float32, device=self.device)
+            goal = torch.as_tensor(goal, dtype=torch.float32, device=self.device)
+            policy_index = torch.as_tensor(policy_index, device=self.device).long()
+            decision, depth = choice(obs, goal, policy_index)
+            count_depths(counts, policy_index * K + depth - 1)
+            first_row_depths.append(depth[0])
+            return self.network.act(decision)
+
+        task_id = self.groups.index(group) + 1
+        success = self.module.rollout(policy_fn, self.vector_env, task_ids=(task_id,),
+                                      episodes=episodes or self.episodes, num_policies=P,
+                                      seed=self.seed + 1000 * task_id)  # (P, 1, episodes)
+        success = torch.as_tensor(np.asarray(success), dtype=torch.float32).view(P, -1)
+        return [{"success": s, "depth_counts": c, "trace": None}
+                for s, c in zip(success.mean(1).tolist(), counts.view(P, K).tolist())], first_row_depths, success
+
+    def trace(self, group, choice):
+        """One episode alone (the only running row of the vector env), so row 0 is that episode at every step."""
+        _, depths, success = self.rollout(group, choice, episodes=1)
+        return {"depths": torch.stack(depths).tolist(), "episode_success": success[0, 0].item()}
+
+    def close(self):
+        if self.vector_env is not None:
+            self.vector_env.close()
+
+
+ADAPTERS = {"gcdqn": BoxPickAdapter, "gcppo": LightsOutAdapter, "gciql": OGBenchAdapter}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Evaluation of one checkpoint: elasticity, eps sweep, calibration, analysis, traces.
+# ---------------------------------------------------------------------------------------------------------
+def summarize(result, depth, **extra):
+    counts = torch.tensor(result["depth_counts"], dtype=torch.float64)
+    total = counts.sum().clamp(min=1)
+    mean_depth = float((counts * torch.arange(1, depth + 1)).sum() / total)
+    return {**extra, "success": result["success"], "mean_depth": mean_depth,
+            "depth_histogram": (counts / total).tolist(), "ideal_speedup": depth / mean_depth}
+
+
+def calibrate(sweep, full_success, retain):
+    """The largest eps whose success stays >= retain * full-depth success. When none does (noise can put even
+    eps = 0 below the floor), the smallest eps, with met = False."""
+    floor = retain * full_success
+    passing = [row for row in sweep if row["success"] >= floor]
+    chosen = max(passing, key=lambda row: row["eps"]) if passing else min(sweep, key=lambda row: row["eps"])
+    return {"eps": chosen["eps"], "retain": retain, "full_depth_success": full_success, "floor": floor,
+            "met": bool(passing)}
+
+
+def quantile_bins(deltas_by_group, endpoint_by_group, num_bins):
+    """delta_k against D(pi_K, pi_k): bin edges are quantiles of delta over every group pooled; per group and bin,
+    the fraction of that group's samples, the mean delta and the mean endpoint divergence (paper figure 4b)."""
+    pooled = torch.cat(list(deltas_by_group.values()))
+    if pooled.numel() == 0:
+        return {}
+    if pooled.numel() > 1_000_000:  # torch.quantile's input limit; a random subset gives the same edges
+        pooled = pooled[torch.randperm(pooled.numel(), generator=torch.Generator().manual_seed(0))[:1_000_000]]
+    edges = torch.quantile(pooled.double(), torch.linspace(0, 1, num_bins + 1, dtype=torch.float64))[1:-1]
+    bins = {}
+    for group, deltas in deltas_by_group.items():
+        which = torch.bucketize(deltas.double(), edges)
+        rows = []
+        for b in range(num_bins):
+            mask = which == b
+            if mask.any():
+                rows.append({"bin": b, "fraction": mask.float().mean().item(),
+                             "delta_mean": deltas[mask].mean().item(),
+                             "endpoint_mean": endpoint_by_group[group][mask].mean().item()})
+        bins[group] = rows
+    return bins
+
+
+def mean_over_tasks(rows_by_task, depth):
+    """OGBench's headline: the per-eps mean over tasks of success, depth histogram and mean depth."""
+    mean = []
+    for rows in zip(*rows_by_task):
+        mean_depth = float(np.mean([r["mean_depth"] for r in rows]))
+        mean.append({"eps": rows[0]["eps"], "success": float(np.mean([r["success"] for r in rows])),
+                     "mean_depth": mean_depth, "ideal_speedup": depth / mean_depth,
+                     "depth_histogram": np.mean([r["depth_histogram"] for r in rows], 0).tolist()})
+    return mean
+
+
+def evaluate_checkpoint(adapter, network, args, pbar):
+    K = network.depth
+    eps_grid = tuple(args.eps) or adapter.eps_grid()
+    policies = [{"depth": k} for k in range(1, K + 1)] + [{"eps": eps} for eps in eps_grid]
+    out = {"eps_grid": list(eps_grid), "elasticity": {}, "adaptive": {}}
+    analysis_deltas, analysis_endpoint = {}, {}
+    for group in adapter.groups:  # every depth and eps side by side, on the same tasks
+        choice = DepthChoice(network, policies, args.k_min, record_policy=K - 1)
+        results = adapter.run(group, choice)
+        out["elasticity"][group] = [r["success"] for r in results[:K]]
+        out["adaptive"][group] = [summarize(r, K, eps=eps) for r, eps in zip(results[K:], eps_grid)]
+        analysis_deltas[group], analysis_endpoint[group] = choice.recorded_pairs()
+        pbar.update(1)
+    if adapter.family == "ogbench":
+        out["elasticity"]["mean"] = np.mean([out["elasticity"][g] for g in adapter.groups], 0).tolist()
+        out["adaptive"]["mean"] = mean_over_tasks([out["adaptive"][g] for g in adapter.groups], K)
+
+    # Calibration on the train split (OGBench: the mean over tasks), reported on every split.
+    calibrate_on = "train" if "train" in adapter.groups else "mean"
+    calibration = calibrate(out["adaptive"][calibrate_on], out["elasticity"][calibrate_on][-1], args.retain)
+    index = eps_grid.index(calibration["eps"])
+    calibration["calibrated_on"] = calibrate_on
+    calibration["results"] = {g: {**rows[index], "full_depth_success": out["elasticity"][g][-1]}
+                              for g, rows in out["adaptive"].items()}
+    out["calibration"] = calibration
+
+    out["analysis"] = {"direction": "delta_k = divergence(pi_k, pi_{k-1}); endpoint = divergence(pi_K, pi_k); "
+                                    "states visited by the full-depth policy, k = 2..K-1",
+                       "bins": quantile_bins(analysis_deltas, analysis_endpoint, args.analysis_bins)}
+    out["trace"] = {}
+    for group in adapter.groups:
+        trace = adapter.trace(group, DepthChoice(network, [{"eps": calibration["eps"]}], args.k_min))
+        out["trace"][group] = {"eps": calibration["eps"], **trace}
+        pbar.update(1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inference for the wall-clock stress test: full depth, masked adaptive, compacted adaptive.
+# ---------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def full_depth_policy(network, obs, goal):
+    state = network.start(obs, goal)
+    for _ in range(network.depth):
+        state = network.advance(state)
+    decision = network.decide(state)
+    return decision, torch.full((obs.shape[0],), network.depth, dtype=torch.long, device=obs.device)
+
+
+@torch.no_grad()
+def masked_policy(network, obs, goal, eps, k_min):
+    """Adaptive decisions with every row computing every depth: stopped rows are masked, not removed. Fixed
+    shapes and no host sync, but no saving either: the reference that compacted_policy must match."""
+    K, batch = network.depth, obs.shape[0]
+    state = network.start(obs, goal)
+    previous = network.decide(state) if k_min == 0 else None
+    decision, depth = None, torch.full((batch,), K, dtype=torch.long, device=obs.device)
+    stopped = torch.zeros(batch, dtype=torch.bool, device=obs.device)
+    for k in range(1, K + 1):
+        state = network.advance(state)
+        if k < k_min:
+            continue
+        current = network.decide(state)
+        if k > k_min:
+            stop = network.divergence(current, previous).clamp(min=0) < eps if k < K else torch.ones_like(stopped)
+            newly = stop & ~stopped
+            decision = current if decision is None else \
+                torch.where(newly.view(-1, *[1] * (current.dim() - 1)), current, decision)
+            depth = torch.where(newly, k, depth)
+            stopped = stopped | newly
+        previous = current
+    return decision, depth
+
+
+@torch.no_grad()
+def compacted_policy(network, obs, goal, eps, k_min, sizes=None, min_shrink=0.0):
+    """Adaptive decisions where stopped rows stop costing work: after each depth, the rows still going are
+    gathered (network.gather) into a smaller batch, advanced alone, and their decisions scattered back.
+
+    sizes=None: exact. Each depth reads the count of rows still going (one host sync) and compacts to it when at
+    least min_shrink of the active rows stopped; when none are left, the remaining depths are skipped.
+    sizes=(s_1, ...): fixed sizes per compaction point (CUDA graphs need fixed shapes). Rows beyond a size are
+    padding; if more rows are going than fit, `overflow` is set and the caller must redo the batch exactly.
+
+    Active row i stands for batch row rows[i]; rows[i] = B marks padding or a row that already stopped, whose
+    writes go to a sink row B. Returns decision, depth (B,), the going count after each depth, overflow."""
+    K, batch, device = network.depth, obs.shape[0], obs.device
+    state = network.start(obs, goal)
+    previous = network.decide(state) if k_min == 0 else None
+    for _ in range(k_min):  # no row can stop before k_min + 1
+        state = network.advance(state)
+    if k_min > 0:
+        previous = network.decide(state)
+    rows = torch.arange(batch, device=device)
+    decision, depth = None, torch.full((batch + 1,), K, dtype=torch.long, device=device)
+    counts, overflow = [], torch.zeros((), dtype=torch.bool, device=device)
+    for level, k in enumerate(range(k_min + 1, K + 1)):
+        state = network.advance(state)
+        current = network.decide(state)
+        if decision is None:
+            decision = current.new_zeros((batch + 1, *current.shape[1:]))
+        real = rows < batch
+        stop = network.divergence(current, previous).clamp(min=0) < eps if k < K else torch.ones_like(real)
+        target = torch.where(stop & real, rows, batch)  # finished rows write their batch row, the rest the sink
+        decision.index_copy_(0, target, current)
+        depth.index_copy_(0, target, torch.full_like(target, k))
+        if k == K:
+            break
+        going = ~stop & real
+        count = going.sum()
+        counts.append(count)
+        active = rows.shape[0]
+        if sizes is None:
+            size = int(count)  # the host sync of the exact version
+            size = active if size > (1 - min_shrink) * active else size
+        else:
+            size = min(sizes[level], active)
+            overflow = overflow | (count > size)
+        if size == 0:
+            break
+        rows = torch.where(going, rows, batch)  # stopped rows retire in place
+        if size < active:  # compact: the going rows first, in order; slots past the count are padding
+            position = going.cumsum(0) - 1
+            slot = torch.where(going & (position < size), position, size)
+            order = torch.zeros(size + 1, dtype=torch.long, device=device)
+            order = order.index_copy_(0, slot, torch.arange(active, device=device))[:size]
+            rows = torch.where(torch.arange(size, device=device) < count, rows[order], batch)
+            state = network.gather(state, order)
+            current = current[order]
+        previous = current
+    return decision[:batch], depth[:batch], counts, overflow
+
+
+def bucket_sizes(recent_counts, batch, margin, min_shrink):
+    """Fixed compaction sizes for CUDA graphs: per compaction point the recent maximum going count plus a margin,
+    rounded up to batch/32; a point keeps the previous size unless it shrinks by at least min_shrink."""
+    granule = max(1, batch // 32)
+    sizes, active = [], batch
+    for level_counts in zip(*recent_counts):
+        need = min(active, math.ceil(max(level_counts) * (1 + margin) / granule) * granule)
+        size = active if need > (1 - min_shrink) * active else need
+        sizes.append(size)
+        active = size
+    return tuple(sizes)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Wall-clock stress test: whole env steps (policy, act, env.step), CUDA-synchronised.
+# ---------------------------------------------------------------------------------------------------------
+def keep_env_state_in_place(env, step):
+    """Run step(); then copy every env tensor attribute that step rebound back into its old tensor, so the env
+    state lives at fixed addresses and a CUDA graph replay continues where the last one stopped."""
+    before = {name: value for name, value in vars(env).items() if torch.is_tensor(value)}
+    result = step()
+    for name, old in before.items():
+        new = getattr(env, name)
+        if new is not old:
+            old.copy_(new)
+            setattr(env, name, old)
+    return result
+
+
+def capture_graph(fn, generators, pool=None):
+    """fn() recorded in a CUDA graph after a warm-up on a side stream (torch.cuda.graphs' rule)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    for generator in generators:
+        graph.register_generator_state(generator)
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph
+
+
+MAX_POLICY_GRAPHS = 64  # distinct bucket sizes captured per stepper, at most
+
+
+class StressStepper:
+    """Whole env steps for one inference mode (full, masked, compact), eager or replayed from CUDA graphs.
+
+    Graphs: full and masked replay one graph per step. Compact replays a policy graph for its current bucket
+    sizes, reads the going counts and the overflow flag (one sync per step), redoes the batch exactly on
+    overflow, then replays the act + env.step graph; bucket sizes follow the last 10 steps' counts."""
+
+    def __init__(self, network, mode, eps, k_min, num_envs, env_id, split, seed, device, use_graph,
+                 min_shrink=0.1, margin=0.05):
+        self.network, self.mode, self.eps, self.k_min, self.min_shrink, self.margin = \
+            network, mode, eps, k_min, min_shrink, margin
+        self.use_graph, self.num_envs = use_graph, num_envs
+        self.env = envs.make_vec(env_id, num_envs, device=device, split=split, seed=seed, check_actions=False).unwrapped
+        self.generator = torch.Generator(device).manual_seed(seed)
+        obs, _ = self.env.reset()
+        self.obs, self.goal = obs["observation"].clone(), obs["desired_goal"].clone()
+        K = network.depth
+        self.depth_counts = torch.zeros(K, device=device)
+        self.success_sum = torch.zeros((), device=device)
+        self.episodes = torch.zeros((), device=device)
+        self.num_levels = max(K - k_min - 1, 0)
+        self.recent_counts, self.sizes = [], (num_envs,) * self.num_levels
+        self.overflow_steps, self.graphs, self.pool = 0, {}, None
+        decision, depth = full_depth_policy(network, self.obs, self.goal)  # shapes for the static buffers
+        self.decision, self.depth = decision.clone(), depth.clone()
+        self.stats = torch.zeros(1 + self.num_levels, dtype=torch.long, device=device)
+        self.graph = None
+        if use_graph:
+            generators = [self.generator, self.env.generator]
+            if mode == "compact":
+                self.env_graph = capture_graph(lambda: self.env_step(self.decision, self.depth), generators)
+                self.stats_host = torch.zeros_like(self.stats, device="cpu").pin_memory()
+                self.pool = torch.cuda.graph_pool_handle()  # policy graphs share memory: they never overlap
+            else:
+                self.graph = capture_graph(lambda: self.env_step(*self.policy()), generators)
+
+    def policy(self):
+        if self.mode == "full":
+            return full_depth_policy(self.network, self.obs, self.goal)
+        if self.mode == "masked":
+            return masked_policy(self.network, self.obs, self.goal, self.eps, self.k_min)
+        decision, depth, _, _ = compacted_policy(self.network, self.obs, self.goal, self.eps, self.k_min,
+                                                 min_shrink=self.min_shrink)
+        return decision, depth
+
+    def env_step(self, decision, depth):
+        action = self.network.act(decision, self.generator)
+        obs, _, _, _, info = keep_env_state_in_place(self.env, lambda: self.env.step(action))
+        self.obs.copy_(obs["observation"])
+        self.goal.copy_(obs["desired_goal"])
+        count_depths(self.depth_counts, depth - 1)
+        done = info["episode_done"]
+        self.success_sum.add_((info["episode_success"] * done).sum())
+        self.episodes.add_(done.sum())
+
+    def bucketed_policy_into_buffers(self, sizes):
+        decision, depth, counts, overflow = compacted_policy(self.network, self.obs, self.goal, self.eps, self.k_min,
+                                                             sizes=sizes)
+        self.decision.copy_(decision)
+        self.depth.copy_(depth)
+        skipped = [torch.zeros((), dtype=torch.long, device=self.stats.device)] * (self.num_levels - len(counts))
+        self.stats.copy_(torch.stack([overflow.long(), *counts, *skipped]))
+
+    def step(self):
+        if not self.use_graph:
+            self.env_step(*self.policy())
+        elif self.graph is not None:
+            self.graph.replay()
+        else:
+            self.step_compact_graph()
+
+    def step_compact_graph(self):
+        if self.sizes not in self.graphs:
+            self.graphs[self.sizes] = capture_graph(lambda s=self.sizes: self.bucketed_policy_into_buffers(s), [],
+                                                    pool=self.pool)
+        self.graphs[self.sizes].replay()
+        self.stats_host.copy_(self.stats, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        stats = self.stats_host.tolist()
+        if stats[0]:  # more rows kept going than the buckets hold: redo this batch exactly
+            self.overflow_steps += 1
+            decision, depth = self.policy()
+            self.decision.copy_(decision)
+            self.depth.copy_(depth)
+        self.env_graph.replay()
+        if self.num_levels:
+            self.recent_counts = (self.recent_counts + [stats[1:]])[-10:]
+            if stats[0]:  # the counts past an overflowed level are truncated: back to the full batch, re-learn
+                self.sizes, self.recent_counts = (self.num_envs,) * self.num_levels, []
+                return
+            sizes = bucket_sizes(self.recent_counts, self.num_envs, self.margin, self.min_shrink)
+            if sizes in self.graphs or len(self.graphs) < MAX_POLICY_GRAPHS:  # past the cap, sizes stay put
+                self.sizes = sizes
+
+    def report(self):
+        counts = self.depth_counts.double().cpu()
+        mean_depth = float((counts * torch.arange(1, len(counts) + 1)).sum() / counts.sum())
+        episodes = int(self.episodes.item())
+        return {"mean_depth": mean_depth, "episodes": episodes,
+                "success": self.success_sum.item() / episodes if episodes else None,
+                "overflow_steps": self.overflow_steps, "graphs_captured": len(self.graphs),
+                "bucket_sizes": list(self.sizes) if self.mode == "compact" and self.use_graph else None}
+
+
+def stress_test(network, args, eps, num_envs, device):
+    """Median and IQR of the wall clock of one whole env step, per mode, on args.stress_env_id."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    use_graph = args.cuda_graph and device.type == "cuda"
+    modes = ["full"] + (["compact", "masked"] if args.stress_mode == "both" else [args.stress_mode])
+    steppers = {mode: StressStepper(network, mode, eps, args.k_min, num_envs, args.stress_env_id, args.stress_split,
+                                    args.seed, device, use_graph, args.stress_min_shrink, args.stress_bucket_margin)
+                for mode in modes}
+    for stepper in steppers.values():
+        for _ in range(args.stress_warmup):
+            stepper.step()
+        stepper.depth_counts.zero_()
+        stepper.success_sum.zero_()
+        stepper.episodes.zero_()
+        stepper.overflow_steps = 0
+    sync()
+    times = {mode: [] for mode in modes}
+    for _ in range(args.stress_samples):
+        for mode, stepper in steppers.items():  # modes take turns, so clock drift hits all alike
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.stress_block):
+                stepper.step()
+            sync()
+            times[mode].append((time.perf_counter() - start) / args.stress_block * 1000)
+    result = {"num_envs": num_envs, "env_id": args.stress_env_id, "split": args.stress_split, "eps": eps,
+              "k_min": args.k_min, "depth": network.depth, "cuda_graph": use_graph, "compile": args.compile,
+              "steps_timed": args.stress_samples * args.stress_block, "modes": {}}
+    for mode in modes:
+        q25, median, q75 = np.percentile(times[mode], [25, 50, 75])
+        result["modes"][mode] = {"ms_per_step_median": median, "ms_per_step_q25": q25, "ms_per_step_q75": q75,
+                                 "ms_per_step_iqr": q75 - q25, **steppers[mode].report()}
+    full = result["modes"]["full"]["ms_per_step_median"]
+    for mode in modes[1:]:
+        row = result["modes"][mode]
+        row["speedup"] = full / row["ms_per_step_median"]
+        row["ideal_speedup"] = network.depth / row["mean_depth"]
+        row["fraction_of_ideal"] = row["speedup"] / row["ideal_speedup"]
+    return result
+
+
+def run_stress(network, args, eps, device, label):
+    results = []
+    for num_envs in args.stress_envs:
+        try:
+            result = stress_test(network, args, eps, num_envs, device)
+        except Exception as error:  # one failing size should not hide the others' numbers
+            traceback.print_exc()
+            result = {"num_envs": num_envs, "error": f"{type(error).__name__}: {error}"[:500]}
+        results.append({"checkpoint": label, **result})
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plots (matplotlib, Agg) and the printed summary
+# ---------------------------------------------------------------------------------------------------------
+def safe_name(text):
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def plot_elasticity(evaluations, path, plt):
+    groups = list(evaluations[0]["elasticity"])
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3.2), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        for ev in evaluations:
+            values = ev["elasticity"][group]
+            ax.plot(range(1, len(values) + 1), values, marker="o", label=ev["label"])
+        ax.set(title=f"{group}", xlabel="depth k", ylabel="success", ylim=(-0.03, 1.03))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{evaluations[0]['env_id']}: success at each fixed depth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_pareto(evaluations, path, plt):
+    groups = list(evaluations[0]["adaptive"])
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.8 * len(groups), 3.4), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        for i, ev in enumerate(evaluations):
+            color = f"C{i}"
+            rows = ev["adaptive"][group]
+            ax.plot([r["mean_depth"] for r in rows], [r["success"] for r in rows], marker="o", color=color,
+                    label=f"{ev['label']} adaptive")
+            for r in rows:
+                ax.annotate(f"{r['eps']:g}", (r["mean_depth"], r["success"]), fontsize=6, color=color,
+                            xytext=(2, 2), textcoords="offset points")
+            fixed = ev["elasticity"][group]
+            ax.plot(range(1, len(fixed) + 1), fixed, marker="s", linestyle=":", color=color, alpha=0.6,
+                    label=f"{ev['label']} fixed depth")
+        ax.set(title=group, xlabel="mean depth", ylabel="success", ylim=(-0.03, 1.03))
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("success vs mean depth over eps (labels: eps)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_analysis(evaluations, path, plt):
+    fig, axes = plt.subplots(1, len(evaluations), figsize=(4 * len(evaluations), 3.4), squeeze=False)
+    for ax, ev in zip(axes[0], evaluations):
+        for i, (group, rows) in enumerate(ev["analysis"]["bins"].items()):
+            x = [max(r["delta_mean"], 1e-9) for r in rows]
+            y = [max(r["endpoint_mean"], 1e-9) for r in rows]
+            ax.plot(x, y, color=f"C{i}", alpha=0.5)
+            ax.scatter(x, y, s=[600 * r["fraction"] for r in rows], color=f"C{i}", alpha=0.7, label=group)
+        ax.set(xscale="log", yscale="log", title=ev["label"], xlabel="delta_k = D(pi_k, pi_{k-1})",
+               ylabel="D(pi_K, pi_k)")
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+        ax.yaxis.set_minor_formatter(plt.NullFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("adjacent-depth change vs distance to the endpoint (quantile bins, size = sample fraction)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_traces(evaluations, path, plt):
+    fig, axes = plt.subplots(len(evaluations), 1, figsize=(8, 2.2 * len(evaluations)), squeeze=False)
+    for ax, ev in zip(axes[:, 0], evaluations):
+        for i, (group, trace) in enumerate(ev["trace"].items()):
+            ax.step(range(len(trace["depths"])), trace["depths"], where="mid", color=f"C{i}",
+                    label=f"{group} (success {trace['episode_success']:.0f})")
+        ax.set(title=f"{ev['label']}: depth per step, eps = {ev['calibration']['eps']:g}", xlabel="step",
+               ylabel="depth k*", ylim=(0.5, ev["depth"] + 0.5))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def draw_boxpick_grid(ax, grid, title):
+    """One 6x6 BoxPick grid from its cell codes: green targets, brown boxes, a blue agent (with a box if carrying)."""
+    from matplotlib.patches import Circle, Rectangle
+
+    from envs.boxpick import CODE_FLAGS, GRID_SIZE
+    for cell, code in enumerate(grid):
+        row, col = divmod(cell, GRID_SIZE)
+        box, target, agent, carrying = CODE_FLAGS[int(code)]
+        ax.add_patch(Rectangle((col, row), 1, 1, facecolor="#c7e9c0" if target else "white", edgecolor="#cccccc"))
+        if box:
+            ax.add_patch(Rectangle((col + 0.2, row + 0.2), 0.6, 0.6, facecolor="#a0522d"))
+        if agent:
+            ax.add_patch(Circle((col + 0.5, row + 0.5), 0.3, facecolor="#1f77b4", alpha=0.85))
+            if carrying:
+                ax.add_patch(Rectangle((col + 0.38, row + 0.38), 0.24, 0.24, facecolor="#a0522d"))
+    ax.axis("on")
+    ax.set_xlim(0, GRID_SIZE)
+    ax.set_ylim(GRID_SIZE, 0)
+    ax.set_aspect("equal")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(title, fontsize=7)
+
+
+def plot_boxpick_strip(trace, frames, path, plt, title):
+    """The goal, then the first `frames` steps of one episode (targets shown), 10 panels a row."""
+    steps = min(frames, len(trace["grids"]))
+    columns = min(steps + 1, 10)
+    rows = math.ceil((steps + 1) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(1.3 * columns, 1.5 * rows + 0.3), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    draw_boxpick_grid(axes.flat[0], trace["goal"], "goal")
+    for t in range(steps):
+        draw_boxpick_grid(axes.flat[t + 1], trace["grids"][t], f"t={t} k={trace['depths'][t]}")
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def make_plots(evaluations, out_dir, args):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = [out_dir / "elasticity.png", out_dir / "pareto.png", out_dir / "delta_vs_endpoint.png",
+             out_dir / "depth_trace.png"]
+    plot_elasticity(evaluations, paths[0], plt)
+    plot_pareto(evaluations, paths[1], plt)
+    plot_analysis(evaluations, paths[2], plt)
+    plot_traces(evaluations, paths[3], plt)
+    for ev in evaluations:
+        for group, trace in ev["trace"].items():
+            if "grids" in trace:
+                path = out_dir / f"strip_{safe_name(ev['label'])}_{group}.png"
+                plot_boxpick_strip(trace, args.trace_frames, path, plt,
+                                   f"{ev['label']} {group}: eps = {trace['eps']:g}, episode success "
+                                   f"{trace['episode_success']:.0f}")
+                paths.append(path)
+    return paths
+
+
+def summary_table(evaluations, stress):
+    lines = []
+    for ev in evaluations:
+        cal = ev["calibration"]
+        lines.append(f"{ev['label']}  ({ev['algorithm']}, {ev['env_id']}, K={ev['depth']}, k_min={ev['k_min']}, "
+                     f"calibrated eps={cal['eps']:g} on {cal['calibrated_on']}"
+                     f"{'' if cal['met'] else ' (retention not met)'})")
+        lines.append(f"  {'split':8s} {'success at depth 1..K':36s} {'success(eps*)':>13s} {'depth(eps*)':>11s} "
+                     f"{'ideal':>6s}")
+        for group, successes in ev["elasticity"].items():
+            row = cal["results"][group]
+            fixed = " ".join(f"{s:.3f}" for s in successes)
+            lines.append(f"  {group:8s} {fixed:36s} {row['success']:13.3f} {row['mean_depth']:11.2f} "
+                         f"{row['ideal_speedup']:5.2f}x")
+    for row in stress:
+        if "error" in row:
+            lines.append(f"stress {row['checkpoint']} {row['num_envs']} envs: {row['error']}")
+            continue
+        full = row["modes"]["full"]
+        lines.append(f"stress {row['checkpoint']} {row['num_envs']} envs, eps={row['eps']:g}, "
+                     f"graph={row['cuda_graph']}: full {full['ms_per_step_median']:.3f} ms/step")
+        for mode, m in row["modes"].items():
+            if mode != "full":
+                lines.append(f"  {mode:8s} {m['ms_per_step_median']:.3f} ms/step (IQR {m['ms_per_step_iqr']:.3f}), "
+                             f"mean depth {m['mean_depth']:.2f}, speed-up {m['speedup']:.2f}x, ideal "
+                             f"{m['ideal_speedup']:.2f}x ({m['fraction_of_ideal']:.0%} of ideal)")
+    return "\n".join(lines)
+
+
+def log_to_wandb(args, name, out_dir, evaluations, stress, plot_paths):
+    import wandb
+    run = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, group=args.wandb_group,
+                     tags=list(args.wandb_tags), config=asdict(args), name=name, dir=str(out_dir), job_type="eval")
+    tables = {
+        "eval/elasticity": (["checkpoint", "split", "depth", "success"],
+                            [[ev["label"], g, k + 1, s] for ev in evaluations for g, ss in ev["elasticity"].items()
+                             for k, s in enumerate(ss)]),
+        "eval/adaptive": (["checkpoint", "split", "eps", "success", "mean_depth", "ideal_speedup", "depth_histogram"],
+                          [[ev["label"], g, r["eps"], r["success"], r["mean_depth"], r["ideal_speedup"],
+                            json.dumps(r["depth_histogram"])] for ev in evaluations
+                           for g, rows in ev["adaptive"].items() for r in rows]),
+        "eval/calibration": (["checkpoint", "split", "eps", "success", "mean_depth", "full_depth_success"],
+                             [[ev["label"], g, r["eps"], r["success"], r["mean_depth"], r["full_depth_success"]]
+                              for ev in evaluations for g, r in ev["calibration"]["results"].items()]),
+        "eval/stress": (["checkpoint", "num_envs", "mode", "ms_per_step_median", "ms_per_step_iqr", "mean_depth",
+                         "speedup", "ideal_speedup"],
+                        [[row["checkpoint"], row["num_envs"], mode, m["ms_per_step_median"], m["ms_per_step_iqr"],
+                          m["mean_depth"], m.get("speedup", 1.0), m.get("ideal_speedup", 1.0)]
+                         for row in stress if "modes" in row for mode, m in row["modes"].items()]),
+    }
+    log = {key: wandb.Table(columns=columns, data=data) for key, (columns, data) in tables.items() if data}
+    log.update({f"plots/{path.stem}": wandb.Image(str(path)) for path in plot_paths})
+    run.log(log)
+    run.finish()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------------------
+def main(args: Args):
+    check_args(args)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    torch.backends.cuda.matmul.allow_tf32 = True  # as the training scripts run
+
+    loaded = []
+    for path, label in zip(args.checkpoints, labels_for(args)):
+        module, checkpoint = load_any_checkpoint(path)
+        network, train_args = module.network_from_checkpoint(checkpoint, device)
+        network.eval().requires_grad_(False)
+        check_k_min(args.k_min, network.depth, label)
+        loaded.append((label, path, module, checkpoint, network, train_args))
+    env_ids = {c["env_id"] for _, _, _, c, _, _ in loaded}
+    if len(env_ids) > 1:
+        raise ValueError(f"the checkpoints are on different envs {sorted(env_ids)}; evaluate one env per run")
+    env_id = env_ids.pop()
+    name = f"{env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    out_dir = Path(args.out_dir) if args.out_dir else Path("results") / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    evaluations = []
+    if not args.skip_eval:
+        groups = len(ADAPTERS[loaded[0][3]["algorithm"]].groups)
+        pbar = tqdm(total=2 * groups * len(loaded), desc="eval_adaptive", dynamic_ncols=True)
+        for label, path, module, checkpoint, network, train_args in loaded:
+            adapter = ADAPTERS[checkpoint["algorithm"]](module, network, train_args, env_id, args, device)
+            try:
+                evaluation = evaluate_checkpoint(adapter, network, args, pbar)
+            finally:
+                adapter.close()
+            evaluations.append({"label": label, "path": str(path), "algorithm": checkpoint["algorithm"],
+                                "env_id": env_id, "family": adapter.family, "depth": network.depth,
+                                "run_name": checkpoint.get("run_name"), "k_min": args.k_min, **evaluation})
+        pbar.close()
+
+    stress = []
+    if args.stress_envs:
+        for (label, _, _, checkpoint, network, _), ev in zip(loaded, evaluations or [None] * len(loaded)):
+            if checkpoint["algorithm"] != "gcdqn":
+                print(f"stress test: skipping {label} ({checkpoint['algorithm']}); it drives BoxPick gcdqn checkpoints")
+                continue
+            eps = args.stress_eps if args.stress_eps is not None else ev["calibration"]["eps"]
+            if args.compile:
+                network.advance, network.decide = torch.compile(network.advance), torch.compile(network.decide)
+            stress += run_stress(network, args, eps, device, label)
+
+    results = {"args": asdict(args), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "torch": torch.__version__,
+               "stopping_rule": "k* = min({k > k_min : delta_k < eps} | {K}), delta_k = divergence(pi_k, pi_{k-1}) "
+                                "(deeper policy first, the training loss's direction), clamped at 0",
+               "checkpoints": evaluations,
+               "stress": {"paper_anchor": PAPER_ANCHOR, "results": stress} if args.stress_envs else None}
+    tmp = out_dir / ".results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1))
+    os.replace(tmp, out_dir / "results.json")
+
+    plot_paths = make_plots(evaluations, out_dir, args) if evaluations else []
+    print(summary_table(evaluations, stress))
+    if args.stress_envs:
+        print(json.dumps(results["stress"], indent=1))
+    print(f"wrote {out_dir / 'results.json'} and {len(plot_paths)} plots")
+    if args.track:
+        log_to_wandb(args, name, out_dir, evaluations, stress, plot_paths)
+    return out_dir
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

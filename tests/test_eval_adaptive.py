@@ -1,0 +1,308 @@
+"""eval_adaptive.py: the stopping rule, compacted against masked inference, calibration, bucket sizes, LightsOut
+episode accounting, bad inputs, and a smoke run (results.json, plots, a tiny CPU stress test)."""
+
+import json
+
+import pytest
+import torch
+
+import envs
+import eval_adaptive as ea
+import flexloop_gcdqn as gcdqn
+from envs.lightsout import min_solution_length, solve
+
+K = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny networks: one thread is faster than two competing ones on a shared 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----- the stopping rule -----
+
+def hand_made_deltas(with_depth_zero):
+    """Three rows of per-depth logits (3 actions), through the script's own divergence.
+    row 0: the same policy at every depth (delta_k = 0 for k >= 2);
+    row 1: changes a lot, except from depth 3 to 4 (delta_4 tiny);
+    row 2: flips at every depth (never converges)."""
+    per_depth = torch.tensor([
+        [[1., 0, 0], [4, 0, 0], [4, 0, 0]],
+        [[1., 0, 0], [0, 4, 0], [0, 4, 0]],
+        [[1., 0, 0], [0, 0, 4], [4, 0, 0]],
+        [[1., 0, 0], [0, 0, 4.01], [0, 4, 0]],
+        [[1., 0, 0], [4, 0, 0], [4, 0, 0]],
+    ])  # (K, rows, actions)
+    decisions = list(per_depth)
+    decision_0 = torch.zeros(3, 3) if with_depth_zero else None  # pi_0: uniform
+    return ea.adjacent_divergences(gcdqn.IRUQNetwork, decisions, decision_0)
+
+
+def test_adjacent_divergence_is_the_training_direction():
+    deltas = hand_made_deltas(with_depth_zero=True)
+    p, q = torch.tensor([[0., 0, 4]]), torch.tensor([[0., 4, 0]])  # row 1's pi_3, pi_2
+    assert torch.allclose(deltas[2, 1], gcdqn.IRUQNetwork.divergence(p, q)[0])  # delta_3 = D(pi_3, pi_2)
+    assert deltas[3, 1] < 1e-3 < deltas[1, 1]
+    assert torch.isinf(hand_made_deltas(with_depth_zero=False)[0]).all()  # no pi_0: depth 1 can never stop
+
+
+@pytest.mark.parametrize("k_min, expected", [(0, [2, 4, 5]), (1, [2, 4, 5]), (2, [3, 4, 5]), (3, [4, 4, 5]),
+                                             (4, [5, 5, 5])])
+def test_stopping_rule_respects_k_min_and_falls_back_to_k(k_min, expected):
+    deltas = hand_made_deltas(with_depth_zero=k_min == 0)
+    assert ea.stopping_depths(deltas, 0.01, k_min).tolist() == expected
+
+
+@pytest.mark.parametrize("k_min", range(K))
+def test_eps_zero_always_runs_to_k_and_huge_eps_stops_at_k_min_plus_one(k_min):
+    deltas = hand_made_deltas(with_depth_zero=k_min == 0)
+    assert ea.stopping_depths(deltas, 0.0, k_min).tolist() == [K] * 3
+    assert ea.stopping_depths(deltas, 1e9, k_min).tolist() == [k_min + 1] * 3
+    rounding = torch.full((K, 3), -1e-9)  # a KL of equal policies can round below 0
+    assert ea.stopping_depths(rounding, 0.0, k_min).tolist() == [K] * 3
+
+
+def test_per_row_eps():
+    deltas = hand_made_deltas(with_depth_zero=False)
+    assert ea.stopping_depths(deltas, torch.tensor([0.0, 0.01, 1e9]), 1).tolist() == [5, 4, 2]
+
+
+# ----- compacted and masked inference -----
+
+def random_network_and_batch(seed=0, batch=64):
+    torch.manual_seed(seed)
+    network = gcdqn.IRUQNetwork(depth=K, hidden_dim=16).eval()
+    with torch.no_grad():  # a sharper Q-head: random depths then disagree by different amounts per state
+        network.head.weight.mul_(10)
+    obs, _ = envs.make_vec("BoxPick-Exact-4-v0", batch, seed=seed).unwrapped.reset()
+    return network, obs["observation"], obs["desired_goal"]
+
+
+def eps_between_deltas(network, obs, goal, quantile, k_min=1):
+    """An eps halfway between two neighbouring values of the deltas that can stop a row, so that rounding
+    cannot flip a stop decision."""
+    decisions = ea.depth_decisions(network, obs, goal, with_depth_zero=k_min == 0)
+    decision_0 = decisions.pop(0) if k_min == 0 else None
+    deltas = ea.adjacent_divergences(network, decisions, decision_0)[k_min:].flatten().sort().values
+    i = int(quantile * (len(deltas) - 1))
+    return float((deltas[i] + deltas[i + 1]) / 2)
+
+
+@pytest.mark.parametrize("k_min", [0, 1, 2])
+@pytest.mark.parametrize("quantile", [0.2, 0.5])
+def test_compacted_and_masked_give_the_same_depths_and_actions(k_min, quantile):
+    network, obs, goal = random_network_and_batch()
+    eps = eps_between_deltas(network, obs, goal, quantile, k_min)
+    masked_decision, masked_depth = ea.masked_policy(network, obs, goal, eps, k_min)
+    assert len(masked_depth.unique()) >= 3  # the test needs rows stopping at several depths
+    assert masked_depth.min() > k_min
+    masked_actions = network.act(masked_decision, torch.Generator().manual_seed(1))
+
+    exact = [ea.compacted_policy(network, obs, goal, eps, k_min, min_shrink=m) for m in (0.0, 0.5)]
+    counts = [int(c) for c in exact[0][2]]
+    levels = K - k_min - 1
+    bucketed = [ea.compacted_policy(network, obs, goal, eps, k_min, sizes=sizes)
+                for sizes in [(64,) * levels, tuple(counts) + (0,) * (levels - len(counts))]]
+    for decision, depth, _, overflow in exact + bucketed:
+        assert not overflow
+        assert torch.equal(depth, masked_depth)
+        assert torch.allclose(decision, masked_decision, atol=1e-5)
+        assert torch.equal(network.act(decision, torch.Generator().manual_seed(1)), masked_actions)
+    # the evaluation path (every depth computed, then chosen) agrees too
+    _, chosen = ea.DepthChoice(network, [{"eps": eps}], k_min)(obs, goal, torch.zeros(64, dtype=torch.long))
+    assert torch.equal(chosen, masked_depth)
+    # buckets too small for the rows still going are flagged, never silently wrong
+    assert max(counts) > 1
+    assert ea.compacted_policy(network, obs, goal, eps, k_min, sizes=(1,) * levels)[3]
+
+
+def test_stress_steppers_compact_and_masked_follow_the_same_episodes():
+    network, obs, goal = random_network_and_batch(seed=1, batch=32)
+    eps = eps_between_deltas(network, obs, goal, 0.4)
+    steppers = {mode: ea.StressStepper(network, mode, eps, 1, 32, "BoxPick-Exact-4-v0", "train", 3, "cpu", False)
+                for mode in ("compact", "masked", "full")}
+    for _ in range(12):
+        for stepper in steppers.values():
+            stepper.step()
+    compact, masked, full = steppers["compact"], steppers["masked"], steppers["full"]
+    assert torch.equal(compact.env.grid, masked.env.grid)
+    assert torch.equal(compact.depth_counts, masked.depth_counts)
+    assert compact.depth_counts.sum() == 12 * 32 and 1 < compact.report()["mean_depth"] < K
+    assert full.report()["mean_depth"] == K
+    assert not torch.equal(compact.env.grid, compact.env.goal)  # the env state moved on
+
+
+def test_bucket_sizes_cover_recent_counts_and_skip_small_shrinks():
+    recent = [[50, 30, 10], [52, 28, 12]]
+    assert ea.bucket_sizes(recent, 64, margin=0.0, min_shrink=0.0) == (52, 30, 12)  # granule 64 / 32 = 2
+    assert ea.bucket_sizes(recent, 64, margin=0.0, min_shrink=0.5) == (64, 30, 12)  # 52 of 64 is no compaction
+    assert ea.bucket_sizes(recent, 64, margin=0.1, min_shrink=0.0) == (58, 34, 14)  # + 10 %, rounded up to 2
+
+
+# ----- calibration -----
+
+def sweep(successes, eps=(0.0, 0.005, 0.01, 0.02, 0.05)):
+    return [{"eps": e, "success": s} for e, s in zip(eps, successes)]
+
+
+def test_calibration_picks_the_largest_eps_that_keeps_the_success():
+    rows = sweep([0.99, 0.975, 0.99, 0.975, 0.5])  # not monotone in eps
+    assert ea.calibrate(rows, 0.99, 0.99)["eps"] == 0.01  # floor 0.9801: 0.005 fails, 0.01 passes
+    assert ea.calibrate(rows, 0.99, 0.98)["eps"] == 0.02  # floor 0.9702
+    assert ea.calibrate(rows, 0.99, 0.5)["eps"] == 0.05
+    strict = ea.calibrate(rows, 0.99, 1.0)
+    assert strict["eps"] == 0.01 and strict["met"] and strict["floor"] == 0.99
+
+
+def test_calibration_falls_back_to_the_smallest_eps_when_nothing_passes():
+    result = ea.calibrate(sweep([0.9, 0.8, 0.7, 0.6, 0.5], eps=(0.05, 0.0, 0.01, 0.02, 0.03)), 1.0, 0.99)
+    assert result["eps"] == 0.0 and not result["met"]
+
+
+# ----- LightsOut episode accounting -----
+
+class SolverNetwork:
+    """The depth protocol around LightsOut's exact solver: every depth presses a button of the minimal solution."""
+    depth = 3
+    divergence = staticmethod(gcdqn.IRUQNetwork.divergence)
+
+    def start(self, obs, goal):
+        return obs, goal
+
+    def advance(self, state):
+        return state
+
+    def decide(self, state):
+        obs, goal = state
+        return solve(obs.bool() ^ goal.bool()).float() * 10
+
+    @staticmethod
+    def act(logits, generator=None, deterministic=False):
+        return logits.argmax(-1)
+
+
+def test_lightsout_adapter_counts_first_episodes_until_success():
+    args = ea.Args(checkpoints=("x.pt",), num_eval_envs=16)
+    adapter = ea.LightsOutAdapter(None, SolverNetwork(), None, envs.LIGHTSOUT_ID, args, "cpu")
+    policies = [{"depth": 1}, {"depth": 3}, {"eps": 1e9}]
+    results = adapter.run("train", ea.DepthChoice(SolverNetwork(), policies, k_min=1))
+    tasks = adapter.make_env("train", 16)
+    tasks.reset()
+    steps = int(min_solution_length(tasks.board, tasks.goal).sum())  # the solver needs exactly these presses
+    for result, depth in zip(results, [1, 3, 2]):
+        assert result["success"] == 1.0
+        assert result["depth_counts"][depth - 1] == steps and sum(result["depth_counts"]) == steps
+    assert len(results[0]["trace"]["depths"]) == int(min_solution_length(tasks.board[:1], tasks.goal[:1]))
+
+
+# ----- bad inputs -----
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(checkpoints=()), "at least one checkpoint"),
+    (dict(eps=(0.0, -0.01)), "eps must be a finite number >= 0"),
+    (dict(eps=(float("nan"),)), "eps must be a finite number >= 0"),
+    (dict(k_min=-1), "--k-min must be >= 0"),
+    (dict(retain=0.0), "--retain must lie in"),
+    (dict(labels=("a", "b")), "one label per checkpoint"),
+    (dict(stress_envs=(0,)), "--stress-envs must be positive"),
+    (dict(skip_eval=True, stress_envs=(8,)), "pass --stress-eps"),
+    (dict(stress_env_id="LightsOut-4x5-v0"), "must be a BoxPick env"),
+])
+def test_bad_flags(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ea.check_args(ea.Args(**{"checkpoints": ("a.pt",), **overrides}))
+
+
+def test_bad_checkpoints(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ea.load_any_checkpoint(tmp_path / "missing.pt")
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a loadable FlexLoop checkpoint"):
+        ea.load_any_checkpoint(tmp_path / "garbage.pt")
+    torch.save({"model": {}}, tmp_path / "untagged.pt")
+    with pytest.raises(ValueError, match="no 'algorithm' entry"):
+        ea.load_any_checkpoint(tmp_path / "untagged.pt")
+    torch.save({"algorithm": "sac"}, tmp_path / "sac.pt")
+    with pytest.raises(ValueError, match="eval_adaptive.py knows"):
+        ea.load_any_checkpoint(tmp_path / "sac.pt")
+    monkeypatch.setitem(ea.ADAPTERS, "nosuch", ea.BoxPickAdapter)
+    with pytest.raises(ModuleNotFoundError, match="flexloop_nosuch.py, which is not in this checkout"):
+        ea.import_script("nosuch", "x.pt")
+
+
+# ----- smoke run -----
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny gcdqn run (pretraining, then FlexLoop): pretrained.pt and final.pt."""
+    args = gcdqn.Args(num_envs=8, batch_size=8, updates_per_rollout=2, intervals_per_epoch=1, pretrain_epochs=1,
+                      num_epochs=1, hidden_dim=16, eval_every=1, num_eval_envs=4, log_every=1, save_every=1,
+                      episode_length=10, replay_episodes=2, cuda=False, run_dir=str(tmp_path_factory.mktemp("runs")))
+    run_dir = gcdqn.train(args)
+    return run_dir / "pretrained.pt", run_dir / "final.pt"
+
+
+def test_k_min_must_be_below_the_checkpoint_depth(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="0 <= k_min < K = 5"):
+        ea.main(ea.Args(checkpoints=(str(checkpoints[1]),), k_min=5, out_dir=str(tmp_path), cuda=False))
+
+
+def test_checkpoints_of_different_envs_are_refused(checkpoints, tmp_path):
+    other = torch.load(checkpoints[1], weights_only=True)
+    other["env_id"] = other["args"]["env_id"] = "BoxPick-Exact-3-v0"
+    torch.save(other, tmp_path / "exact3.pt")
+    with pytest.raises(ValueError, match="different envs"):
+        ea.main(ea.Args(checkpoints=(str(checkpoints[1]), str(tmp_path / "exact3.pt")), out_dir=str(tmp_path),
+                        cuda=False))
+
+
+def test_smoke_run_writes_results_and_plots(checkpoints, tmp_path, capsys):
+    out_dir = ea.main(ea.Args(checkpoints=tuple(str(p) for p in checkpoints), num_eval_envs=8, eps=(0.0, 1e-3, 1e9),
+                              stress_envs=(8,), stress_warmup=2, stress_samples=2, stress_block=1, trace_frames=4,
+                              out_dir=str(tmp_path / "out"), cuda=False))
+    results = json.loads((out_dir / "results.json").read_text())
+    assert [c["label"] for c in results["checkpoints"]] == ["pretrained", "final"]
+    for ev in results["checkpoints"]:
+        assert ev["algorithm"] == "gcdqn" and ev["depth"] == K and ev["eps_grid"] == [0.0, 1e-3, 1e9]
+        for split in ("train", "unseen"):
+            assert len(ev["elasticity"][split]) == K
+            assert all(0 <= s <= 1 for s in ev["elasticity"][split])
+            rows = ev["adaptive"][split]
+            for row in rows:
+                assert sum(row["depth_histogram"]) == pytest.approx(1.0)
+                assert row["ideal_speedup"] == pytest.approx(K / row["mean_depth"])
+            assert rows[0]["mean_depth"] == K and rows[0]["depth_histogram"][-1] == 1.0  # eps = 0
+            assert rows[2]["mean_depth"] == 2 and rows[2]["depth_histogram"][1] == 1.0  # huge eps: k_min + 1
+            trace = ev["trace"][split]
+            assert len(trace["depths"]) == len(trace["grids"]) == 10 and len(trace["goal"]) == 36
+            assert all(1 < d <= K for d in trace["depths"])
+            assert sum(b["fraction"] for b in ev["analysis"]["bins"][split]) == pytest.approx(1.0)
+        calibration = ev["calibration"]
+        assert calibration["eps"] in ev["eps_grid"] and set(calibration["results"]) == {"train", "unseen"}
+        assert calibration["full_depth_success"] == ev["elasticity"]["train"][-1]
+    names = {p.name for p in out_dir.iterdir()}
+    assert {"elasticity.png", "pareto.png", "delta_vs_endpoint.png", "depth_trace.png",
+            "strip_pretrained_train.png", "strip_final_unseen.png"} <= names
+    assert all((out_dir / n).stat().st_size > 1000 for n in names if n.endswith(".png"))
+
+    stress = results["stress"]
+    assert stress["paper_anchor"]["speedup"] == 1.34
+    assert [r["checkpoint"] for r in stress["results"]] == ["pretrained", "final"]
+    for row in stress["results"]:
+        assert row["num_envs"] == 8 and row["eps"] == row_eps(results, row["checkpoint"])
+        assert set(row["modes"]) == {"full", "compact", "masked"}
+        assert row["modes"]["full"]["mean_depth"] == K
+        for mode in ("compact", "masked"):
+            m = row["modes"][mode]
+            assert m["ms_per_step_median"] > 0 and m["ms_per_step_iqr"] >= 0 and m["speedup"] > 0
+            assert m["ideal_speedup"] == pytest.approx(K / m["mean_depth"])
+    printed = capsys.readouterr().out
+    assert '"paper_anchor"' in printed and "speed-up" in printed
+
+
+def row_eps(results, label):
+    return next(c["calibration"]["eps"] for c in results["checkpoints"] if c["label"] == label)
