@@ -707,15 +707,17 @@ MAX_POLICY_GRAPHS = 64  # distinct bucket sizes captured per stepper, at most
 class StressStepper:
     """Whole env steps for one inference mode (full, masked, compact), eager or replayed from CUDA graphs.
 
-    Graphs: full and masked replay one graph per step. Compact replays a policy graph for its current bucket
-    sizes, reads the going counts and the overflow flag (one sync per step), redoes the batch exactly on
-    overflow, then replays the act + env.step graph; bucket sizes follow the last 10 steps' counts."""
+    Eager compact mode compacts to exact counts (one host sync per depth). With CUDA graphs, full and masked replay
+    one graph per step, and compact runs `bucketed`: a policy graph for its current compacted sizes, then one sync
+    to read the going counts and the overflow flag, an exact redo of the batch on overflow, then the act + env.step
+    graph; the sizes follow the last 10 steps' counts. (bucketed=True without graphs runs the same logic eagerly.)"""
 
     def __init__(self, network, mode, eps, k_min, num_envs, env_id, split, seed, device, use_graph,
-                 min_shrink=0.1, margin=0.05):
+                 min_shrink=0.1, margin=0.05, bucketed=None):
         self.network, self.mode, self.eps, self.k_min, self.min_shrink, self.margin = \
             network, mode, eps, k_min, min_shrink, margin
         self.use_graph, self.num_envs = use_graph, num_envs
+        self.bucketed = use_graph and mode == "compact" if bucketed is None else bucketed
         self.env = envs.make_vec(env_id, num_envs, device=device, split=split, seed=seed, check_actions=False).unwrapped
         self.generator = torch.Generator(device).manual_seed(seed)
         obs, _ = self.env.reset()
@@ -725,20 +727,22 @@ class StressStepper:
         self.success_sum = torch.zeros((), device=device)
         self.episodes = torch.zeros((), device=device)
         self.num_levels = max(K - k_min - 1, 0)
-        self.recent_counts, self.sizes = [], (num_envs,) * self.num_levels
-        self.overflow_steps, self.graphs, self.pool = 0, {}, None
+        self.full_sizes = (num_envs,) * self.num_levels
+        self.recent_counts, self.sizes, self.policy_runs = [], self.full_sizes, {}
+        self.overflow_steps = 0
         decision, depth = full_depth_policy(network, self.obs, self.goal)  # shapes for the static buffers
         self.decision, self.depth = decision.clone(), depth.clone()
         self.stats = torch.zeros(1 + self.num_levels, dtype=torch.long, device=device)
-        self.graph = None
+        self.run_step = lambda: self.env_step(*self.policy())
+        self.run_env_step = lambda: self.env_step(self.decision, self.depth)
         if use_graph:
             generators = [self.generator, self.env.generator]
-            if mode == "compact":
-                self.env_graph = capture_graph(lambda: self.env_step(self.decision, self.depth), generators)
+            if self.bucketed:
+                self.run_env_step = capture_graph(self.run_env_step, generators).replay
                 self.stats_host = torch.zeros_like(self.stats, device="cpu").pin_memory()
                 self.pool = torch.cuda.graph_pool_handle()  # policy graphs share memory: they never overlap
             else:
-                self.graph = capture_graph(lambda: self.env_step(*self.policy()), generators)
+                self.run_step = capture_graph(self.run_step, generators).replay
 
     def policy(self):
         if self.mode == "full":
@@ -768,35 +772,38 @@ class StressStepper:
         self.stats.copy_(torch.stack([overflow.long(), *counts, *skipped]))
 
     def step(self):
-        if not self.use_graph:
-            self.env_step(*self.policy())
-        elif self.graph is not None:
-            self.graph.replay()
+        if self.bucketed:
+            self.step_bucketed()
         else:
-            self.step_compact_graph()
+            self.run_step()
 
-    def step_compact_graph(self):
-        if self.sizes not in self.graphs:
-            self.graphs[self.sizes] = capture_graph(lambda s=self.sizes: self.bucketed_policy_into_buffers(s), [],
-                                                    pool=self.pool)
-        self.graphs[self.sizes].replay()
-        self.stats_host.copy_(self.stats, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        stats = self.stats_host.tolist()
-        if stats[0]:  # more rows kept going than the buckets hold: redo this batch exactly
+    def step_bucketed(self):
+        if self.sizes not in self.policy_runs:
+            run = lambda s=self.sizes: self.bucketed_policy_into_buffers(s)  # noqa: E731
+            self.policy_runs[self.sizes] = capture_graph(run, [], pool=self.pool).replay if self.use_graph else run
+        self.policy_runs[self.sizes]()
+        if self.use_graph:
+            self.stats_host.copy_(self.stats, non_blocking=True)
+            torch.cuda.current_stream().synchronize()  # the one sync per step
+            stats = self.stats_host.tolist()
+        else:
+            stats = self.stats.tolist()
+        if stats[0]:  # more rows kept going than the sizes hold: redo this batch exactly, and keep its counts
             self.overflow_steps += 1
-            decision, depth = self.policy()
+            decision, depth, counts, _ = compacted_policy(self.network, self.obs, self.goal, self.eps, self.k_min,
+                                                          min_shrink=self.min_shrink)
             self.decision.copy_(decision)
             self.depth.copy_(depth)
-        self.env_graph.replay()
-        if self.num_levels:
-            self.recent_counts = (self.recent_counts + [stats[1:]])[-10:]
-            if stats[0]:  # the counts past an overflowed level are truncated: back to the full batch, re-learn
-                self.sizes, self.recent_counts = (self.num_envs,) * self.num_levels, []
-                return
-            sizes = bucket_sizes(self.recent_counts, self.num_envs, self.margin, self.min_shrink)
-            if sizes in self.graphs or len(self.graphs) < MAX_POLICY_GRAPHS:  # past the cap, sizes stay put
-                self.sizes = sizes
+            stats = [0] + [int(c) for c in counts] + [0] * (self.num_levels - len(counts))
+        self.run_env_step()
+        if not self.num_levels:
+            return
+        self.recent_counts = (self.recent_counts + [stats[1:]])[-10:]
+        sizes = bucket_sizes(self.recent_counts, self.num_envs, self.margin, self.min_shrink)
+        if sizes not in self.policy_runs and len(self.policy_runs) >= MAX_POLICY_GRAPHS:
+            # past the cap: the smallest captured sizes that hold these counts (the full sizes always do)
+            sizes = min((s for s in self.policy_runs if all(a >= b for a, b in zip(s, sizes))), key=sum)
+        self.sizes = sizes
 
     def report(self):
         counts = self.depth_counts.double().cpu()
@@ -804,8 +811,9 @@ class StressStepper:
         episodes = int(self.episodes.item())
         return {"mean_depth": mean_depth, "episodes": episodes,
                 "success": self.success_sum.item() / episodes if episodes else None,
-                "overflow_steps": self.overflow_steps, "graphs_captured": len(self.graphs),
-                "bucket_sizes": list(self.sizes) if self.mode == "compact" and self.use_graph else None}
+                "overflow_steps": self.overflow_steps,
+                "policy_graphs": len(self.policy_runs) if self.use_graph and self.bucketed else 0,
+                "bucket_sizes": list(self.sizes) if self.bucketed else None}
 
 
 def stress_test(network, args, eps, num_envs, device):

@@ -136,6 +136,24 @@ def test_stress_steppers_compact_and_masked_follow_the_same_episodes():
     assert not torch.equal(compact.env.grid, compact.env.goal)  # the env state moved on
 
 
+def test_bucketed_steps_redo_overflows_and_follow_the_masked_episodes():
+    """The CUDA-graph path of compact mode (fixed sizes from recent counts, exact redo on overflow), run eagerly."""
+    network, obs, goal = random_network_and_batch(seed=1, batch=64)
+    eps = eps_between_deltas(network, obs, goal, 0.4)
+    bucketed, masked = (ea.StressStepper(network, mode, eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
+                                         min_shrink=0.0, margin=0.0, bucketed=mode == "compact")
+                        for mode in ("compact", "masked"))
+    sizes_used = set()
+    for _ in range(30):
+        sizes_used.add(bucketed.sizes)
+        bucketed.step()
+        masked.step()
+    assert torch.equal(bucketed.env.grid, masked.env.grid)
+    assert torch.equal(bucketed.depth_counts, masked.depth_counts)
+    assert len(sizes_used) > 2 and min(map(sum, sizes_used)) < sum(bucketed.full_sizes)  # it did compact
+    assert bucketed.overflow_steps > 0  # no margin: some steps outgrow the recent maximum and are redone
+
+
 def test_bucket_sizes_cover_recent_counts_and_skip_small_shrinks():
     recent = [[50, 30, 10], [52, 28, 12]]
     assert ea.bucket_sizes(recent, 64, margin=0.0, min_shrink=0.0) == (52, 30, 12)  # granule 64 / 32 = 2
