@@ -560,7 +560,8 @@ def train(args: Args):
 
     run_name = checkpoint["run_name"] if checkpoint else \
         f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    run_dir = Path(args.run_dir) / run_name
+    # A resumed run continues in the folder its checkpoint lies in, wherever that folder has moved.
+    run_dir = Path(args.resume).resolve().parent if checkpoint else Path(args.run_dir) / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     if not os.access(run_dir, os.W_OK):
         raise PermissionError(f"run folder {run_dir} is not writable; point --run-dir at a writable folder")
