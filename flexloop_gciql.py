@@ -119,7 +119,8 @@ class Args:
     eval_every: int = 100_000
     """evaluate every depth on every task every this many updates (and at the end of each phase)"""
     eval_episodes: int = 50
-    """episodes per task and depth"""
+    """episodes per task and depth (0: no evaluation during training, e.g. on a machine without MuJoCo;
+    evaluate the checkpoints later with eval_adaptive.py)"""
     eval_envs: int = 50
     """OGBench envs stepped side by side during evaluation; the policy acts on all of them in one batch"""
     eval_async: bool = True
@@ -145,8 +146,9 @@ def check_args(args: Args):
     if args.env_name not in ogbench_data.DATASETS:
         raise ValueError(f"--env-name {args.env_name!r} is not one of the five datasets; choose one of "
                          f"{list(ogbench_data.DATASETS)}")
-    for name in ["batch_size", "hidden_dim", "num_critics", "eval_every", "eval_episodes", "eval_envs",
-                 "log_every", "save_every"]:
+    if args.eval_episodes < 0:
+        raise ValueError(f"--eval-episodes must be >= 0, got {args.eval_episodes}")
+    for name in ["batch_size", "hidden_dim", "num_critics", "eval_every", "eval_envs", "log_every", "save_every"]:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.pretrain_steps < 0 or args.total_steps < 0:
@@ -775,7 +777,7 @@ def train(args: Args):
             pbar.set_postfix(v=f"{last_metrics['losses/value_loss']:.3g}", q=f"{last_metrics['losses/critic_loss']:.3g}",
                              kl=f"{last_metrics['losses/depth_kl']:.3g}")
             tick = time.time()
-        if global_step % args.eval_every == 0 or phase_ends:
+        if args.eval_episodes > 0 and (global_step % args.eval_every == 0 or phase_ends):
             if on_cuda:
                 torch.cuda.synchronize()
             train_time += time.time() - tick  # the clock of charts/SPS stops while evaluating
