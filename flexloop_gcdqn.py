@@ -6,6 +6,14 @@
 The loss is GC-DQN's TD loss at the full depth K plus
     lambda_depth * mean_{k<K} KL(sg[pi_{k+1}] || pi_k),   pi_k = softmax(Q_k / tau),
 where Q_k is the ensemble-mean Q-value read out after k recurrent steps (REFERENCE.md §1, §2).
+
+The paper's ablations and variants (§5.4, appendix C; REFERENCE.md §5) are flags of the FlexLoop phase:
+    --ablation distill-only             no TD loss: lambda_depth * KL alone, from the pretrained weights
+    --lambda-depth 0                    Self-TD Only: the TD loss at depth K alone
+    --ablation anyk-td --lambda-depth 0 AnyK-TD: the TD loss at every depth (mean over k), no KL
+    --depth-target final                distil every depth straight from depth K: KL(sg[pi_K] || pi_k)
+    --backbone lstm --hidden-dim 184    an LSTM cell unrolled over depth instead of the IRU
+    --teacher-checkpoint PATH           FlexLoop from scratch with an output-only teacher (appendix C.1)
 """
 
 import json
@@ -81,6 +89,8 @@ class Args:
     obs_encoding: Literal["codes", "onehot"] = "codes"
     """codes: the 36 cell codes as numbers (the reference); onehot: 36 x 12 one-hot cells (learns faster)"""
 
+    backbone: Literal["iru", "lstm"] = "iru"
+    """iru: the IRU cell; lstm: an LSTM cell unrolled over depth (the paper's LSTM-256 and LSTM-184 backbones)"""
     # GC-DQN
     learning_rate: float = 3e-4
     """Adam learning rate (critic and temperature)"""
@@ -117,6 +127,16 @@ class Args:
     policy_temperature: float = 0.25
     """tau in pi_k = softmax(Q_k / tau)"""
 
+    depth_target: Literal["adjacent", "final"] = "adjacent"
+    """adjacent: KL(sg[pi_{k+1}] || pi_k) (FlexLoop); final: every depth distilled from depth K, KL(sg[pi_K] || pi_k)"""
+    ablation: Literal["none", "distill-only", "anyk-td"] = "none"
+    """the FlexLoop phase's TD term: none = at depth K; distill-only = no TD loss (the KL alone, from the pretrained
+    weights); anyk-td = at every depth, averaged. Self-TD Only is --lambda-depth 0. Pretraining is never changed"""
+    teacher_checkpoint: Optional[str] = None
+    """FlexLoop from scratch (appendix C.1): fresh weights, no pretraining; this frozen GC-DQN checkpoint is only
+    queried, for the depth-K TD target r + gamma * max_a' Q_teacher(s', g, a'), and its weights are never copied"""
+    bellman_weight: float = 0.1
+    """with --teacher-checkpoint: weight of the inter-depth Bellman loss on depths 1..K-2 (appendix C.1)"""
     # Evaluation, logging, speed
     eval_every: int = 100
     """evaluate every depth on both splits every this many intervals (and at the end)"""
@@ -163,6 +183,20 @@ def check_args(args: Args):
 
 
 # ---------------------------------------------------------------------------------------------------------
+    if args.backbone == "lstm" and args.iru_variant != "residual":
+        raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
+    if args.ablation == "distill-only" and args.lambda_depth == 0:
+        raise ValueError("--ablation distill-only with --lambda-depth 0 trains nothing; give a positive --lambda-depth")
+    if args.bellman_weight < 0:
+        raise ValueError(f"--bellman-weight must be >= 0, got {args.bellman_weight}")
+    if args.teacher_checkpoint is not None:
+        if args.init_checkpoint:
+            raise ValueError("--teacher-checkpoint trains a student from scratch; it cannot also start from "
+                             "--init-checkpoint (drop one)")
+        if args.ablation != "none":
+            raise ValueError("--teacher-checkpoint is FlexLoop from scratch; combine it with --ablation none only")
+        if args.num_epochs == 0:
+            raise ValueError("--teacher-checkpoint skips pretraining, so --num-epochs must be positive")
 # IRU Q-network: an ensemble of IRUs evaluated as one batched matmul per layer.
 # ---------------------------------------------------------------------------------------------------------
 class EnsembleLinear(nn.Module):
@@ -287,18 +321,84 @@ class IRUQNetwork(nn.Module):
         return (q / self.log_alpha.exp() - torch.log(-torch.log(uniform))).argmax(-1)
 
 
-def flexloop_depth_loss(q_per_depth, policy_temperature):
-    """mean_{k=1..K-1} KL(sg[pi_{k+1}] || pi_k) with pi_k = softmax(mean_critics Q_k / tau).
+class LSTMQNetwork(IRUQNetwork):
+    """The same Q-network with an LSTM cell in place of the IRU cell, unrolled over depth for a fixed input
+    (the paper's LSTM backbones, §5.4):
+
+        x_emb      = LayerNorm(Linear(concat[obs, goal, onehot(a)]))       (as the IRU)
+        i, f, g, o = Linear(concat[x_emb, h])                               (forget-gate bias initialised to +1)
+        c          = sigmoid(f) * c + sigmoid(i) * tanh(g)
+        h          = sigmoid(o) * tanh(c)
+        Q_k        = Head(h)
+
+    The state (x_emb, c, h), the ensemble and the depth protocol are the IRU's. Per critic, LSTM-184 has about
+    as many parameters as IRU-256 (287k against 285k with the default inputs); LSTM-256 has about twice as many.
+    """
+
+    def __init__(self, depth=5, hidden_dim=256, num_critics=2, policy_temperature=0.25, init_alpha=1.0,
+                 obs_encoding="codes", num_actions=NUM_ACTIONS):
+        # variant "residual": the inherited q_values reads h, the LSTM's output
+        super().__init__(depth, hidden_dim, num_critics, "residual", policy_temperature, init_alpha, obs_encoding,
+                         num_actions)
+        del self.gate_norm  # a plain LSTM cell: no normalisation inside
+        self.gates = EnsembleLinear(num_critics, 2 * hidden_dim, 4 * hidden_dim)  # input, forget, cell, output
+        with torch.no_grad():
+            self.gates.bias[..., hidden_dim:2 * hidden_dim] = 1.0
+
+    def advance(self, state):
+        x_emb, c, h = state
+        shape = x_emb.shape
+        flat = lambda t: t.reshape(self.num_critics, -1, self.hidden_dim)  # noqa: E731
+        input_gate, forget_gate, cell, output_gate = self.gates(torch.cat([flat(x_emb), flat(h)], -1)).chunk(4, -1)
+        c = torch.sigmoid(forget_gate) * flat(c) + torch.sigmoid(input_gate) * torch.tanh(cell)
+        h = torch.sigmoid(output_gate) * torch.tanh(c)
+        return x_emb, c.view(shape), h.view(shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Losses: TD at depth K (or every depth, or none), the depth KL, the from-scratch Bellman refinement.
+# ---------------------------------------------------------------------------------------------------------
+def flexloop_depth_loss(q_per_depth, policy_temperature, target="adjacent"):
+    """mean_{k=1..K-1} KL(sg[pi_{k+1}] || pi_k) with pi_k = softmax(mean_critics Q_k / tau); with
+    target="final", mean_{k=1..K-1} KL(sg[pi_K] || pi_k) instead.
 
     The deeper policy is the target (detached), so only the shallower depth moves towards it."""
     logits = q_per_depth.mean(1) / policy_temperature  # (K, B, A)
-    kl = IRUQNetwork.divergence(logits[1:].detach(), logits[:-1])  # (K-1, B)
+    teacher = logits[1:] if target == "adjacent" else logits[-1:].expand_as(logits[:-1])
+    kl = IRUQNetwork.divergence(teacher.detach(), logits[:-1])  # (K-1, B)
     return kl.mean()
 
 
 def td_target(target_q_next, rewards, gamma):
     """r + gamma * max_a' mean_critics Q_target(s', g, a'), from the full-depth target Q (E, B, A)."""
     return rewards + gamma * target_q_next.mean(0).max(-1).values
+def per_depth_td_loss(q_per_depth, action, y):
+    """TD_k = sum over critics of mean_batch (Q_k(s, g, a) - y)^2, for every depth: (K,). y is (B,), or one
+    target per depth (K, 1, B)."""
+    rows = torch.arange(action.shape[0], device=action.device)
+    q_taken = q_per_depth[:, :, rows, action]  # (K, E, B)
+    return ((q_taken - y) ** 2).mean(-1).sum(-1)
+
+
+def td_depth_weights(ablation, depth):
+    """How much the TD loss of each depth 1..K counts: K alone (FlexLoop, pretraining), every depth equally
+    (AnyK-TD), or none (Distill Only)."""
+    if ablation == "anyk-td":
+        return [1.0 / depth] * depth
+    return [0.0] * (depth - 1) + [0.0 if ablation == "distill-only" else 1.0]
+
+
+def bellman_refinement_loss(q_per_depth, action, target_q_next, reward, gamma):
+    """Appendix C.1: mean_{k=1..K-2} of TD(Q_{k+1}(s, g, a), sg[y_k]), y_k = r + gamma * max_a' mean_critics
+    Q_target,k(s', g, a'): each extra step refines the target network's previous depth by one Bellman backup.
+    The paper's rho is taken to be the squared error of the TD loss. Zero when K = 2 (no such depths)."""
+    depth = q_per_depth.shape[0]
+    if depth < 3:
+        return q_per_depth.new_zeros(())
+    y = reward + gamma * target_q_next[:depth - 2].mean(1).max(-1).values  # (K-2, B): y_1 .. y_{K-2}
+    return per_depth_td_loss(q_per_depth[1:depth - 1], action, y[:, None]).mean()
+
+
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -454,6 +554,9 @@ def network_from_checkpoint(checkpoint, device="cpu"):
     """Rebuild the network from a checkpoint alone (used by eval_adaptive.py)."""
     args = Args(**checkpoint["args"])
     network = build_network(args, device)
+    if args.backbone == "lstm":
+        return LSTMQNetwork(args.depth, args.hidden_dim, args.num_critics, args.policy_temperature, args.init_alpha,
+                            args.obs_encoding).to(device)
     network.load_state_dict(checkpoint["model"])
     return network, args
 
@@ -499,35 +602,57 @@ def set_rng_state(state, generators):
 # ---------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------
-def make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums):
-    """One update: sample a relabelled batch, TD loss at depth K + lambda * adjacent-depth KL + the
-    temperature loss, Adam, Polyak. No host sync, fixed shapes: it can be captured in a CUDA graph."""
-    device = lambda_depth.device
-    rows = torch.arange(args.batch_size, device=device)
-    autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
+LOSS_TERMS = ("td", "depth_kl", "alpha", "entropy", "bellman")  # the order of loss_sums
+
+
+def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weights, teacher=None):
+    """The named loss terms of one update on a batch, as device tensors (no host sync):
+
+        td        sum_k w_k TD_k with w = td_weights (K,) and the target y = r + gamma * max_a' mean_critics
+                  Q(s', g, a'), Q the target network's at depth K, or the teacher's full-depth Q when given
+        depth_kl  the depth KL (args.depth_target: adjacent or final)
+        bellman   the inter-depth Bellman refinement on depths 1..K-2 (with a teacher only; else 0)
+        alpha     the temperature loss (entropy: a statistic)
+        loss      td + lambda_depth * depth_kl + bellman_weight * bellman + alpha
+    """
+    autocast = lambda: torch.autocast(batch["obs"].device.type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
+    with torch.no_grad(), autocast():
+        target_q_next = target_network.all_depths(batch["next_obs"], batch["goal"]).float()  # (K, E, B, A)
+        bootstrap_q = target_q_next[-1] if teacher is None else \
+            teacher.all_depths(batch["next_obs"], batch["goal"])[-1].float()  # only the teacher's outputs
+    y = td_target(bootstrap_q, batch["reward"], args.gamma)
+    with autocast():
+        q_per_depth = network.all_depths(batch["obs"], batch["goal"]).float()  # (K, E, B, A)
+    td = (td_weights * per_depth_td_loss(q_per_depth, batch["action"], y)).sum()
+    depth_kl = flexloop_depth_loss(q_per_depth, args.policy_temperature, args.depth_target)
+    bellman = q_per_depth.new_zeros(()) if teacher is None else \
+        bellman_refinement_loss(q_per_depth, batch["action"], target_q_next, batch["reward"], args.gamma)
+    # Temperature: push the entropy of softmax(Q_K / alpha) towards -target_entropy.
+    q_full = q_per_depth[-1].mean(0).detach()
+    log_policy = F.log_softmax(q_full / network.log_alpha.exp(), -1)
+    entropy = -(log_policy.exp() * log_policy).sum(-1).mean()
+    alpha = (entropy + args.target_entropy) ** 2
+    loss = td + lambda_depth * depth_kl + args.bellman_weight * bellman + alpha
+    return dict(td=td, depth_kl=depth_kl, alpha=alpha, entropy=entropy, bellman=bellman, loss=loss)
+
+
+def make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums,
+                td_weights=None, teacher=None):
+    """One update: sample a relabelled batch, the losses of `flexloop_losses`, Adam, Polyak. No host sync,
+    fixed shapes: it can be captured in a CUDA graph. lambda_depth and td_weights are device tensors filled
+    per phase (td_weights defaults to depth K alone); the teacher is only ever read."""
+    if td_weights is None:
+        td_weights = torch.tensor(td_depth_weights("none", args.depth), device=lambda_depth.device)
 
     def update():
         batch = replay.sample(args.batch_size, generator)
-        with torch.no_grad(), autocast():
-            target_q_next = target_network.all_depths(batch["next_obs"], batch["goal"])[-1].float()
-        y = td_target(target_q_next, batch["reward"], args.gamma)
-        with autocast():
-            q_per_depth = network.all_depths(batch["obs"], batch["goal"]).float()  # (K, E, B, A)
-        q_taken = q_per_depth[-1][:, rows, batch["action"]]  # (E, B)
-        td_loss = ((q_taken - y) ** 2).mean(1).sum()  # MSE on each critic
-        depth_loss = flexloop_depth_loss(q_per_depth, args.policy_temperature)
-        # Temperature: push the entropy of softmax(Q_K / alpha) towards -target_entropy.
-        q_full = q_per_depth[-1].mean(0).detach()
-        log_policy = F.log_softmax(q_full / network.log_alpha.exp(), -1)
-        entropy = -(log_policy.exp() * log_policy).sum(-1).mean()
-        alpha_loss = (entropy + args.target_entropy) ** 2
-        loss = td_loss + lambda_depth * depth_loss + alpha_loss
+        terms = flexloop_losses(network, target_network, batch, args, lambda_depth, td_weights, teacher)
         optimizer.zero_grad(set_to_none=False)
-        loss.backward()
+        terms["loss"].backward()
         optimizer.step()
         with torch.no_grad():
             torch._foreach_lerp_(list(target_network.parameters()), list(network.parameters()), args.tau)
-            loss_sums.add_(torch.stack([td_loss, depth_loss, alpha_loss, entropy]).detach())
+            loss_sums.add_(torch.stack([terms[name] for name in LOSS_TERMS]).detach())
 
     return update
 
@@ -565,6 +690,7 @@ def train(args: Args):
     eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, seed=args.seed + 1000 + i,
                                       split=split, episode_length=args.episode_length, check_actions=False).unwrapped
                  for i, split in enumerate(["train", "unseen"])}
+    teacher = load_teacher(args, device) if args.teacher_checkpoint else None
     generators = {"actions": torch.Generator(device).manual_seed(args.seed),
                   "replay": torch.Generator(device).manual_seed(args.seed + 1),
                   "eval": torch.Generator(device).manual_seed(args.seed + 2),
@@ -580,8 +706,9 @@ def train(args: Args):
     replay = TrajectoryReplay(args.num_envs, args.replay_episodes, args.episode_length, device,
                               args.future_goal_fraction, args.future_discount)
 
-    # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network was given, then FlexLoop.
-    phases = [] if args.init_checkpoint else [("pretrain", args.pretrain_epochs * args.intervals_per_epoch, 0.0)]
+    # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network or a teacher was given, then FlexLoop.
+    skip_pretraining = args.init_checkpoint or teacher is not None
+    phases = [] if skip_pretraining else [("pretrain", args.pretrain_epochs * args.intervals_per_epoch, 0.0)]
     phases.append(("flexloop", args.num_epochs * args.intervals_per_epoch, args.lambda_depth))
     phases = [p for p in phases if p[1] > 0]
     total_intervals = sum(p[1] for p in phases)
@@ -621,9 +748,14 @@ def train(args: Args):
         return phases[-1][0], phases[-1][2], start
 
     lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
-    loss_sums = torch.zeros(4, device=device)  # td, depth, alpha, entropy: summed on the device between logs
+    # The TD loss's weight per depth: depth K in pretraining; as --ablation says in the FlexLoop phase.
+    phase_td_weights = {phase: torch.tensor(td_depth_weights(args.ablation if phase == "flexloop" else "none",
+                                                             args.depth), device=device)
+                        for phase in ["pretrain", "flexloop"]}
+    td_weights = torch.zeros(args.depth, device=device)
+    loss_sums = torch.zeros(len(LOSS_TERMS), device=device)  # summed on the device between logs
     update = make_update(args, network, target_network, optimizer, replay, generators["replay"], lambda_depth,
-                         loss_sums)
+                         loss_sums, td_weights, teacher)
     if args.compile and device.type == "cuda":
         update = torch.compile(update)
     run_update = update
@@ -658,7 +790,8 @@ def train(args: Args):
             sums = loss_sums / (args.log_every * args.updates_per_rollout)
             metrics = {"phase": phase, "charts/interval": interval, "charts/updates": updates,
                        "losses/td_loss": sums[0], "losses/depth_kl": sums[1], "losses/alpha_loss": sums[2],
-                       "charts/policy_entropy": sums[3], "charts/alpha": network.log_alpha.exp(),
+                       "charts/policy_entropy": sums[3], "losses/bellman_loss": sums[4],
+                       "charts/alpha": network.log_alpha.exp(),
                        "charts/lambda_depth": lam, "charts/train_success": success.mean(),
                        "charts/SPS": int((env_steps - start_steps) / (time.time() - start_time)),
                        "charts/updates_per_second": (updates - start_updates) / (time.time() - start_time)}
@@ -666,6 +799,7 @@ def train(args: Args):
             loss_sums.zero_()
             last_metrics = metrics_log.write(metrics, env_steps)
             pbar.set_postfix(td=f"{last_metrics['losses/td_loss']:.3g}", kl=f"{last_metrics['losses/depth_kl']:.3g}")
+        td_weights.copy_(phase_td_weights[phase])  # device to device: no host sync
         if interval % args.eval_every == 0 or interval == total_intervals or phase_at(interval)[0] != phase:
             results = metrics_log.write({"phase": phase, **evaluate(network, eval_envs, generators["eval"])}, env_steps)
             last_metrics.update(results)
@@ -689,8 +823,8 @@ def train(args: Args):
 
 def check_compatible(init, args):
     """A pretrained checkpoint must match this run's env family, depth and network shape."""
-    theirs = init["args"]
-    for key in ["depth", "hidden_dim", "num_critics", "iru_variant", "obs_encoding"]:
+    theirs = {"backbone": "iru", **init["args"]}  # checkpoints from before --backbone hold IRUs
+    for key in ["depth", "hidden_dim", "num_critics", "iru_variant", "obs_encoding", "backbone"]:
         if theirs[key] != getattr(args, key):
             raise ValueError(f"--init-checkpoint was trained with {key}={theirs[key]!r} but this run has "
                              f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {theirs[key]}")
@@ -724,6 +858,18 @@ def capture_cuda_graph(fn, generators):
     generators fn draws from are registered, so every replay draws fresh numbers."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+def load_teacher(args, device):
+    """The output-only teacher of FlexLoop from scratch: a separate, frozen network built from its own
+    checkpoint (any depth, width or backbone). Only its Q-values are read; no optimiser holds it and its
+    weights are never copied into the student, whose checkpoints do not hold them either."""
+    checkpoint = load_checkpoint(args.teacher_checkpoint)
+    if checkpoint["env_id"] != args.env_id:
+        raise ValueError(f"--teacher-checkpoint was trained on {checkpoint['env_id']} but this run is on "
+                         f"{args.env_id}; pass --env-id {checkpoint['env_id']}")
+    teacher, _ = network_from_checkpoint(checkpoint, device)
+    return teacher.requires_grad_(False)
+
+
     with torch.cuda.stream(stream):
         for _ in range(CUDA_GRAPH_WARMUP):
             fn()

@@ -58,7 +58,7 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes):
     for _ in range(fill_episodes):
         replay.add(*gcdqn.run_episode(network, env, args.depth, generator)[:3])
     lambda_depth = torch.full((), lam, device=device)
-    loss_sums = torch.zeros(4, device=device)
+    loss_sums = torch.zeros(len(gcdqn.LOSS_TERMS), device=device)
     update = gcdqn.make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums)
     if mode == "compile-graph":
         update = torch.compile(update)
