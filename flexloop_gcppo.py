@@ -12,6 +12,7 @@ the GAE returns; the policy loss keeps the GAE advantages from the student's own
 """
 
 import copy
+import io
 import json
 import math
 import os
@@ -412,18 +413,23 @@ def evaluate(network, eval_envs, seed):
 # Checkpoints (self-contained, atomic, weights_only) and metrics
 # ---------------------------------------------------------------------------------------------------------
 def save_checkpoint(path, payload):
-    """torch.save to a temp file, then os.replace: a kill or a full disk never leaves a broken checkpoint."""
+    """Serialise in memory, write a temp file, then os.replace: a kill, a crash or a full disk never leaves a
+    broken checkpoint or a stray temp file, and the previous checkpoint stays as it was."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)  # in memory first: a full disk then fails in write() as an OSError, not deep in torch
     try:
         with open(tmp, "wb") as f:
-            torch.save(payload, f)
+            f.write(buffer.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as error:
+    except BaseException as error:  # also an interrupt mid-write: no half-written temp file stays behind
         tmp.unlink(missing_ok=True)
-        raise OSError(f"could not write checkpoint {path} ({error}); the previous checkpoint is intact. "
+        if not isinstance(error, OSError):
+            raise
+        raise OSError(error.errno, f"could not write checkpoint {path} ({error}); the previous checkpoint is intact. "
                       "Free disk space or point --run-dir at a writable folder.") from error
 
 
@@ -466,6 +472,15 @@ def network_from_checkpoint(checkpoint, device="cpu"):
     return network, args
 
 
+def parses(line):
+    """Whether a metrics.jsonl line is a whole JSON record: a kill mid-write can leave the last one cut short."""
+    try:
+        json.loads(line)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
 class MetricsLog:
     """runs/<name>/metrics.jsonl, always; W&B too when tracked. On resume, records past the checkpoint's step
     (written by the run that was killed) are dropped, so the file has no duplicate or missing steps."""
@@ -474,7 +489,7 @@ class MetricsLog:
         self.path, self.wandb_run = Path(path), wandb_run
         if resume_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["global_step"] <= resume_step]
+                    if parses(line) and json.loads(line)["global_step"] <= resume_step]
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, self.path)
@@ -551,6 +566,11 @@ def train(args: Args):
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     checkpoint = load_checkpoint(args.resume) if args.resume else None
     if checkpoint is not None:
+        missing = [k for k in ("run_name", "teacher_model", "optimizer", "rng", "interval", "updates", "global_step")
+                   if k not in checkpoint]
+        if missing:
+            raise ValueError(f"--resume {args.resume} lacks {missing}, which resuming needs; start a new run from "
+                             "its weights with --init-checkpoint instead")
         # A resumed run keeps its own flags: only the checkpoint path comes from the command line.
         resume_path, args = args.resume, Args(**checkpoint["args"])
         args.resume = resume_path
@@ -631,6 +651,9 @@ def train(args: Args):
         return phases[-1][0], phases[-1][2]
 
     def make_checkpoint():
+        # Weights a NaN/inf has reached are never saved: the losses summed since the last log are checked first.
+        check_finite(dict(zip(["losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/depth_kl"],
+                              loss_sums)), updates)
         # "interval" is the project's name for one collect + update round: here a PPO iteration.
         return {"format": CHECKPOINT_FORMAT, "algorithm": ALGORITHM, "args": asdict(args), "env_id": args.env_id,
                 "depth": args.depth, "run_name": run_name, "model": network.state_dict(),

@@ -1,0 +1,476 @@
+"""Reliability (issue 8): real runs killed by SIGTERM (they save first) or SIGKILL and resumed, with the steps,
+metrics.jsonl and W&B run continuing; atomic checkpoint writes under a crash, an interrupt, a full disk or an
+unwritable folder; checkpoints that carry code, are cut short, foreign or incomplete; NaN in a loss; bad flags.
+tests/test_gc*.py and tests/test_eval_adaptive.py cover the cases not repeated here."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import eval_adaptive as ea
+import flexloop_gcdqn as gcdqn
+import flexloop_gciql as gciql
+import flexloop_gcppo as gcppo
+from envs import ogbench_data
+
+ROOT = Path(__file__).resolve().parent.parent
+SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+SCRIPTS = {"gcdqn": gcdqn, "gcppo": gcppo, "gciql": gciql}
+PM = "pointmaze-large-stitch-v0"
+
+# Tiny runs. GC-DQN: 2 phases x 15 intervals of one 10-step episode in 16 envs + 3 updates (about 2 s).
+DQN = dict(num_envs=16, batch_size=16, updates_per_rollout=3, intervals_per_epoch=15, pretrain_epochs=1,
+           num_epochs=1, hidden_dim=16, episode_length=10, replay_episodes=4, num_eval_envs=8, eval_every=1000,
+           log_every=1, save_every=2, cuda=False)
+DQN_INTERVALS = 2 * DQN["intervals_per_epoch"]
+# GC-PPO: 2 phases x 40 iterations of 64 env steps and 2 minibatch updates.
+PPO = dict(num_envs=8, num_steps=8, num_minibatches=2, update_epochs=1, depth=2, hidden_dim=8,
+           pretrain_timesteps=64 * 40, total_timesteps=64 * 40, num_eval_envs=4, eval_every=1000, log_every=1,
+           save_every=1000, cuda=False)
+# GC-IQL: 2 phases x 200 updates on a generated pointmaze dataset, logged every 5, no evaluation (no MuJoCo).
+IQL = dict(env_name=PM, download=False, depth=2, hidden_dim=8, batch_size=16, pretrain_steps=200, total_steps=200,
+           log_every=5, save_every=1000, eval_episodes=0, cuda=False)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pointmaze")
+    ogbench_data.generate_dataset(PM, str(out), episodes=8, episode_steps=60, seed=0, progress=False)
+    return out
+
+
+def script_args(script, run_dir, data_dir=None, **overrides):
+    flags = {"gcdqn": DQN, "gcppo": PPO, "gciql": {**IQL, "dataset_dir": str(data_dir)}}[script]
+    return SCRIPTS[script].Args(**{**flags, "run_dir": str(run_dir), **overrides})
+
+
+def cli(flags):
+    out = []
+    for key, value in flags.items():
+        name = key.replace("_", "-")
+        out += ([f"--{name}" if value else f"--no-{name}"] if isinstance(value, bool) else [f"--{name}", str(value)])
+    return out
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kill and resume: real runs in a subprocess
+# ---------------------------------------------------------------------------------------------------------
+def start(script, flags, runs, log):
+    """The script's CLI in a fresh process; its output goes to a file (a full pipe would block it)."""
+    command = [sys.executable, f"flexloop_{script}.py", *cli(flags), "--run-dir", str(runs)]
+    return subprocess.Popen(command, cwd=ROOT, env=SUBPROCESS_ENV, stdout=log, stderr=subprocess.STDOUT)
+
+
+def run_folder(runs):
+    folders = list(runs.iterdir()) if runs.exists() else []
+    return folders[0] if folders else None
+
+
+def count_logged(runs, key):
+    """Training records written so far (read while the run writes them)."""
+    folder = run_folder(runs)
+    metrics = folder / "metrics.jsonl" if folder else None
+    return metrics.read_text().count(f'"{key}"') if metrics and metrics.exists() else 0
+
+
+def saved_interval(runs):
+    folder = run_folder(runs)
+    if folder is None or not (folder / "latest.pt").exists():
+        return -1
+    return torch.load(folder / "latest.pt", weights_only=True)["interval"]
+
+
+def wait_until(condition, process, log_path, timeout=90):
+    deadline = time.time() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended before it was killed:\n{log_path.read_text()[-3000:]}"
+        assert time.time() < deadline, f"timed out waiting for the run:\n{log_path.read_text()[-3000:]}"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The tiny GC-DQN run, never stopped: what a killed and resumed run must match."""
+    return gcdqn.train(gcdqn.Args(**DQN, run_dir=str(tmp_path_factory.mktemp("uninterrupted"))))
+
+
+def dqn_progress(run_dir):
+    """What a kill must not change: every record's step, phase, counters and keys, and the final counters."""
+    records = [(r["global_step"], r["phase"], r.get("charts/interval"), r.get("charts/updates"), sorted(r))
+               for r in read_metrics(run_dir)]
+    final = gcdqn.load_checkpoint(run_dir / "final.pt")
+    return records, {key: final[key] for key in ("interval", "updates", "global_step", "phase")}
+
+
+def test_sigterm_saves_latest_and_exits_then_resume_continues_steps_metrics_and_wandb_run(tmp_path, uninterrupted):
+    """SLURM preemption: SIGTERM mid-run writes latest.pt at the interval it stopped in (save_every is too large
+    to have written any) and exits 0. --resume (a fresh process, W&B offline) finishes the run with the same
+    steps and records as the uninterrupted run, refilling the replay, under the same W&B run id."""
+    runs, log_path = tmp_path / "runs", tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        process = start("gcdqn", {**DQN, "save_every": 1000, "track": True}, runs, log)
+        wait_until(lambda: count_logged(runs, "losses/td_loss") >= 3, process, log_path)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    run_dir = run_folder(runs)
+    assert "SIGTERM: saved" in log_path.read_text() and not (run_dir / "final.pt").exists()
+    checkpoint = gcdqn.load_checkpoint(run_dir / "latest.pt")
+    last_record = [r for r in read_metrics(run_dir) if "losses/td_loss" in r][-1]
+    assert 3 <= checkpoint["interval"] < DQN_INTERVALS  # stopped mid-run
+    assert (checkpoint["interval"], checkpoint["global_step"]) == (last_record["charts/interval"],
+                                                                   last_record["global_step"])  # nothing lost
+    wandb_id = checkpoint["wandb_id"]
+    assert wandb_id
+
+    resumed = subprocess.run([sys.executable, "flexloop_gcdqn.py", "--resume", str(run_dir / "latest.pt")], cwd=ROOT,
+                             env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "the replay refills" in resumed.stdout
+    assert dqn_progress(run_dir) == dqn_progress(uninterrupted)
+    assert (run_dir / "pretrained.pt").exists()
+    assert gcdqn.load_checkpoint(run_dir / "final.pt")["wandb_id"] == wandb_id
+    offline_runs = [p.name for p in (run_dir / "wandb").glob("offline-run-*")]
+    assert len(offline_runs) == 2 and all(wandb_id in name for name in offline_runs), offline_runs
+
+
+def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, uninterrupted):
+    """SIGKILL leaves no chance to save: the run resumes from the last periodic latest.pt (every 2 intervals), and
+    the records the killed run wrote after it, the last one cut short mid-write, are dropped and written again."""
+    runs, log_path = tmp_path / "runs", tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        process = start("gcdqn", DQN, runs, log)
+        wait_until(lambda: saved_interval(runs) >= 4, process, log_path)
+        process.kill()
+        process.wait(timeout=60)
+    run_dir = run_folder(runs)
+    assert not (run_dir / "final.pt").exists()
+    assert gcdqn.load_checkpoint(run_dir / "latest.pt")["interval"] < DQN_INTERVALS
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"global_step": 99999, "phase": "pre')  # a record the kill cut short
+    assert gcdqn.train(gcdqn.Args(resume=str(run_dir / "latest.pt"))) == run_dir
+    assert dqn_progress(run_dir) == dqn_progress(uninterrupted)
+
+
+@pytest.mark.parametrize("script, key, step_size, records, counter, final_count", [
+    ("gcppo", "losses/policy_loss", 64, 80, "interval", 80),  # 64 env steps per iteration, logged every iteration
+    ("gciql", "losses/critic_loss", 5, 80, "updates", 400),  # logged every 5 updates
+])
+def test_sigterm_saves_and_resume_finishes_the_run(tmp_path, data_dir, script, key, step_size, records, counter,
+                                                   final_count):
+    module = SCRIPTS[script]
+    flags = PPO if script == "gcppo" else {**IQL, "dataset_dir": str(data_dir)}
+    runs, log_path = tmp_path / "runs", tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        process = start(script, flags, runs, log)
+        wait_until(lambda: count_logged(runs, key) >= 2, process, log_path)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    run_dir = run_folder(runs)
+    assert "SIGTERM: saved" in log_path.read_text() and not (run_dir / "final.pt").exists()
+    checkpoint = module.load_checkpoint(run_dir / "latest.pt")
+    last_record = [r for r in read_metrics(run_dir) if key in r][-1]
+    # saved where it stopped (GC-IQL can stop between logs), mid-run
+    assert last_record["global_step"] <= checkpoint["global_step"] < last_record["global_step"] + step_size
+    assert checkpoint["global_step"] < records * step_size
+
+    module.train(module.Args(resume=str(run_dir / "latest.pt")))
+    steps = [r["global_step"] for r in read_metrics(run_dir) if key in r]
+    assert steps == [step_size * i for i in range(1, records + 1)]  # none repeated, none missing
+    final = module.load_checkpoint(run_dir / "final.pt")
+    assert (final["global_step"], final[counter]) == (step_size * records, final_count)
+
+
+def test_readme_says_a_resumed_run_refills_its_replay():
+    readme = (ROOT / "README.md").read_text()
+    assert "`--resume` restarts with an empty replay that refills" in readme
+    assert "## When things go wrong" in readme
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Atomic writes: whatever fails while a checkpoint is written, the previous one stays whole and no temp file
+# stays behind; an OSError names the fix
+# ---------------------------------------------------------------------------------------------------------
+def checkpoint_payload(module, interval):
+    return {"format": module.CHECKPOINT_FORMAT, "algorithm": module.ALGORITHM, "args": {}, "env_id": "env",
+            "depth": 2, "model": {"w": torch.full((100_000,), float(interval))}, "interval": interval}
+
+
+class DiskFull:
+    """A file that takes the first half of a write and then fails as a full disk does."""
+
+    def __init__(self, path):
+        self.file = open(path, "wb")
+
+    def write(self, data):
+        self.file.write(bytes(data)[:len(data) // 2])
+        self.file.flush()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+
+def open_temp_files_with(make_file):
+    """A stand-in for the script's open(): checkpoint temp files come from make_file, the rest as usual."""
+    def fake_open(path, mode="r", *args, **kwargs):
+        if str(path).endswith(".tmp") and "w" in mode:
+            return make_file(path)
+        return open(path, mode, *args, **kwargs)
+    return fake_open
+
+
+def crash_in_torch_save(monkeypatch, module):
+    def save(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 the first bytes of a checkpoint")
+        raise RuntimeError("simulated crash while serialising")
+    monkeypatch.setattr(torch, "save", save)
+    return RuntimeError, "simulated crash"
+
+
+def interrupt_before_rename(monkeypatch, module):
+    def fsync(fd):
+        raise KeyboardInterrupt  # a Ctrl-C (or any kill the process sees) after the bytes, before os.replace
+    monkeypatch.setattr(os, "fsync", fsync)
+    return KeyboardInterrupt, None
+
+
+def rename_fails(monkeypatch, module):
+    def replace_file(src, dst):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(os, "replace", replace_file)
+    return OSError, "previous checkpoint is intact"
+
+
+def disk_full(monkeypatch, module):
+    monkeypatch.setattr(module, "open", open_temp_files_with(DiskFull), raising=False)
+    return OSError, "No space left on device.*previous checkpoint is intact. Free disk space"
+
+
+def real_full_device(monkeypatch, module):
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    monkeypatch.setattr(module, "open", open_temp_files_with(lambda path: open("/dev/full", "wb")), raising=False)
+    return OSError, "No space left on device.*Free disk space"
+
+
+def unwritable_folder(monkeypatch, module):
+    def refuse(path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    monkeypatch.setattr(module, "open", open_temp_files_with(refuse), raising=False)
+    return OSError, "Permission denied.*point --run-dir at a writable folder"
+
+
+@pytest.mark.parametrize("failure", [crash_in_torch_save, interrupt_before_rename, rename_fails, disk_full,
+                                     real_full_device, unwritable_folder])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch, script, failure):
+    module = SCRIPTS[script]
+    path = tmp_path / "latest.pt"
+    module.save_checkpoint(path, checkpoint_payload(module, 1))
+    error, message = failure(monkeypatch, module)
+    with pytest.raises(error, match=message):
+        module.save_checkpoint(path, checkpoint_payload(module, 2))
+    monkeypatch.undo()
+    previous = module.load_checkpoint(path)
+    assert previous["interval"] == 1 and torch.equal(previous["model"]["w"], torch.ones(100_000))
+    assert [p.name for p in tmp_path.iterdir()] == ["latest.pt"]  # no temp file left behind
+
+
+def test_disk_full_mid_run_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    writes = []
+
+    def fills_up_at_the_fourth_write(path):
+        writes.append(path)
+        return DiskFull(path) if len(writes) >= 4 else open(path, "wb")
+
+    monkeypatch.setattr(gcdqn, "open", open_temp_files_with(fills_up_at_the_fourth_write), raising=False)
+    # saves: latest.pt at intervals 1 and 2, pretrained.pt at 3, then latest.pt at 3 finds the disk full
+    with pytest.raises(OSError, match="could not write checkpoint .*latest.pt.*Free disk space"):
+        gcdqn.train(gcdqn.Args(**{**DQN, "intervals_per_epoch": 3, "save_every": 1}, run_dir=str(tmp_path)))
+    run_dir = run_folder(tmp_path)
+    assert gcdqn.load_checkpoint(run_dir / "latest.pt")["interval"] == 2
+    assert gcdqn.load_checkpoint(run_dir / "pretrained.pt")["interval"] == 3
+    assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_unwritable_run_folder_fails_before_training(tmp_path, monkeypatch, data_dir, script):
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)  # the tests may run as root, which chmod can't stop
+    with pytest.raises(PermissionError, match="not writable; point --run-dir at a writable folder"):
+        SCRIPTS[script].train(script_args(script, tmp_path, data_dir))
+    assert not list(run_folder(tmp_path).iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hostile and broken checkpoints, through every loader
+# ---------------------------------------------------------------------------------------------------------
+LOADERS = {"gcdqn": gcdqn.load_checkpoint, "gcppo": gcppo.load_checkpoint, "gciql": gciql.load_checkpoint,
+           "eval_adaptive": lambda path: ea.load_any_checkpoint(path)[1]}
+
+
+class MakeFolder:
+    """Unpickling this calls os.mkdir(path): the folder shows whether a loader ran the payload."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def algorithm_of(loader):
+    return "gcdqn" if loader == "eval_adaptive" else loader
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_a_checkpoint_carrying_code_is_refused_without_running_it(tmp_path, loader):
+    marker = tmp_path / "payload_ran"
+    payload = checkpoint_payload(SCRIPTS[algorithm_of(loader)], 1)
+    torch.save({**payload, "model": {"w": MakeFolder(marker)}}, tmp_path / "hostile.pt")
+    torch.load(tmp_path / "hostile.pt", weights_only=False)  # the payload is live: an unsafe load runs it
+    assert marker.is_dir()
+    marker.rmdir()
+    with pytest.raises(ValueError, match="carries code that weights_only loading refuses"):
+        LOADERS[loader](tmp_path / "hostile.pt")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("loader", ["gcppo", "gciql", "eval_adaptive"])
+def test_a_truncated_checkpoint_is_refused(tmp_path, loader):
+    module = SCRIPTS[algorithm_of(loader)]
+    module.save_checkpoint(tmp_path / "whole.pt", checkpoint_payload(module, 1))
+    data = (tmp_path / "whole.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match="corrupt, truncated"):
+        LOADERS[loader](tmp_path / "cut.pt")
+
+
+@pytest.mark.parametrize("loader", ["gcppo", "gciql"])
+def test_a_plain_state_dict_is_not_a_checkpoint(tmp_path, loader):
+    torch.save(torch.nn.Linear(2, 2).state_dict(), tmp_path / "weights.pt")
+    with pytest.raises(ValueError, match="not a FlexLoop checkpoint"):
+        LOADERS[loader](tmp_path / "weights.pt")
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_a_checkpoint_missing_a_key_is_refused(tmp_path, loader):
+    payload = checkpoint_payload(SCRIPTS[algorithm_of(loader)], 1)
+    del payload["model"]
+    torch.save(payload, tmp_path / "no_model.pt")
+    with pytest.raises(ValueError, match=r"lacks \['model'\]"):
+        LOADERS[loader](tmp_path / "no_model.pt")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resuming_from_a_weights_only_checkpoint_names_the_missing_state(tmp_path, script):
+    module = SCRIPTS[script]
+    module.save_checkpoint(tmp_path / "shared.pt", checkpoint_payload(module, 1))  # model, no optimiser or RNG
+    with pytest.raises(ValueError, match=r"lacks \[.*'optimizer', 'rng'.*\], which resuming needs.*--init-checkpoint"):
+        module.train(module.Args(resume=str(tmp_path / "shared.pt"), run_dir=str(tmp_path / "runs")))
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("script, theirs, message", [
+    ("gcdqn", dict(depth=4), "trained with depth=4 .* pass --depth 4"),
+    ("gcdqn", dict(env_id="BoxPick-Exact-3-v0"), "trained on BoxPick-Exact-3-v0 .* pass --env-id BoxPick-Exact-3-v0"),
+    ("gciql", dict(env_name="scene-play-v0"), "trained on scene-play-v0 .* pass --env-name scene-play-v0"),
+    ("gciql", dict(env_name=PM, depth=3), "trained with depth=3 .* pass --depth 3"),
+])
+def test_a_pretrained_checkpoint_from_another_env_or_depth_is_refused(tmp_path, data_dir, script, theirs, message):
+    module = SCRIPTS[script]
+    their_args = replace(script_args(script, tmp_path, data_dir), **theirs)
+    env_id = their_args.env_id if script == "gcdqn" else their_args.env_name
+    module.save_checkpoint(tmp_path / "pretrained.pt", {**checkpoint_payload(module, 1), "args": asdict(their_args),
+                                                        "env_id": env_id, "depth": their_args.depth})
+    with pytest.raises(ValueError, match=message):
+        module.train(script_args(script, tmp_path / "runs", data_dir, init_checkpoint=str(tmp_path / "pretrained.pt")))
+    assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NaN/inf in a loss: stop, name the step and the term, keep the last good checkpoint
+# ---------------------------------------------------------------------------------------------------------
+def poison(monkeypatch, module, name, bad_calls, part=None):
+    """Make module.<name> return NaN on the given calls (1-based); `part` picks one element of a tuple result."""
+    real, calls = getattr(module, name), []
+
+    def poisoned(*args, **kwargs):
+        calls.append(1)
+        result = real(*args, **kwargs)
+        if len(calls) not in bad_calls:
+            return result
+        if part is None:
+            return result * float("nan")
+        return tuple(r * float("nan") if i == part else r for i, r in enumerate(result))
+
+    monkeypatch.setattr(module, name, poisoned)
+
+
+def assert_finite_checkpoint(module, path, counter, value):
+    checkpoint = module.load_checkpoint(path)
+    assert checkpoint[counter] == value
+    assert all(torch.isfinite(t).all() for t in checkpoint["model"].values())
+
+
+@pytest.mark.parametrize("script, poisoned, part, bad_calls, overrides, message, counter, last_good", [
+    # TD target NaN from update 7 on (interval 3 of 3 updates); logs every 2 intervals, saves every interval,
+    # so interval 3's save has to check the losses itself
+    ("gcdqn", "td_target", None, range(7, 100), dict(log_every=2, save_every=1),
+     "losses/td_loss became nan in the updates before update 9", "interval", 2),
+    # value loss NaN in the last of iteration 3's 2 updates only: the other terms stay finite, so the message
+    # must name the right one
+    ("gcppo", "ppo_loss", 1, [6], dict(log_every=2, save_every=1),
+     "losses/value_loss became nan in the updates before update 6", "interval", 2),
+    # the critic's target NaN at update 6 only; logs every 5 updates, saves every 3
+    ("gciql", "critic_target", None, [6], dict(log_every=5, save_every=3),
+     "losses/critic_loss became nan in the updates before update 6", "global_step", 3),
+])
+def test_nan_in_a_loss_stops_training_and_keeps_the_last_good_checkpoint(
+        tmp_path, monkeypatch, data_dir, script, poisoned, part, bad_calls, overrides, message, counter, last_good):
+    module = SCRIPTS[script]
+    poison(monkeypatch, module, poisoned, bad_calls, part)
+    with pytest.raises(FloatingPointError, match=message):
+        module.train(script_args(script, tmp_path, data_dir, **overrides))
+    run_dir = run_folder(tmp_path)
+    assert_finite_checkpoint(module, run_dir / "latest.pt", counter, last_good)
+    assert not (run_dir / "final.pt").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad flags: a clear error before any work
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+@pytest.mark.parametrize("script", ["gcppo", "gciql", "eval_adaptive"])
+def test_require_cuda_without_a_gpu(tmp_path, data_dir, script):
+    with pytest.raises(RuntimeError, match="--require-cuda was given but no CUDA GPU is visible"):
+        if script == "eval_adaptive":
+            ea.main(ea.Args(checkpoints=("a.pt",), require_cuda=True, out_dir=str(tmp_path / "out")))
+        else:
+            SCRIPTS[script].train(script_args(script, tmp_path / "runs", data_dir, require_cuda=True))
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("future_discount", [0.0, 1.0])
+def test_gcdqn_future_discount_outside_0_1_is_refused(tmp_path, future_discount):
+    with pytest.raises(ValueError, match="--future-discount must lie in"):
+        gcdqn.train(gcdqn.Args(**DQN, future_discount=future_discount, run_dir=str(tmp_path)))
+    assert not list(tmp_path.iterdir())
