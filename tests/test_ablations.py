@@ -1,0 +1,356 @@
+"""The paper's ablations and variants (§5.4, appendix C): each flag changes the loss as stated, the LSTM backbone
+keeps the depth protocol, every K runs end to end, the from-scratch teacher is only ever read, and the sweep files
+name real flags."""
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+import flexloop_gcdqn as gcdqn
+import flexloop_gciql as gciql
+import flexloop_gcppo as gcppo
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY = dict(num_envs=16, batch_size=16, updates_per_rollout=3, intervals_per_epoch=2, pretrain_epochs=1, num_epochs=1,
+            hidden_dim=16, eval_every=2, num_eval_envs=8, log_every=1, save_every=1, episode_length=10,
+            replay_episodes=4, cuda=False)
+
+
+def tiny_args(tmp_path, **overrides):
+    return gcdqn.Args(**{**TINY, "run_dir": str(tmp_path), **overrides})
+
+
+def perturbed(network, seed):
+    """The network with every parameter nudged, so that norms and gates are not at their initial values."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in network.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=generator))
+    return network
+
+
+# ----- the loss terms on a fixed batch -----
+
+DEPTH, GAMMA, TAU = 4, 0.9, 0.25
+
+
+def fixed_batch(batch_size=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    codes = lambda: torch.randint(0, 12, (batch_size, 36), generator=generator, dtype=torch.int8)  # noqa: E731
+    return dict(obs=codes(), next_obs=codes(), goal=codes(),
+                action=torch.randint(0, 6, (batch_size,), generator=generator),
+                reward=(torch.rand(batch_size, generator=generator) < 0.5).float())
+
+
+def loss_setup(**overrides):
+    args = gcdqn.Args(depth=DEPTH, hidden_dim=8, gamma=GAMMA, policy_temperature=TAU, cuda=False, **overrides)
+    torch.manual_seed(0)
+    network = perturbed(gcdqn.build_network(args, "cpu"), 1)
+    target_network = perturbed(gcdqn.build_network(args, "cpu"), 2).requires_grad_(False)
+    return args, network, target_network, fixed_batch()
+
+
+def terms_for(args, network, target_network, batch, phase="flexloop", lam=1.0, teacher=None):
+    weights = torch.tensor(gcdqn.td_depth_weights(args.ablation if phase == "flexloop" else "none", args.depth))
+    return gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(lam), weights, teacher)
+
+
+def hand_td(q_per_depth, bootstrap_q, batch, depth):
+    """sum over critics of the batch mean of (Q_k(s, g, a) - y)^2, y = r + gamma * max_a' mean_critics Q(s', g, a')."""
+    y = batch["reward"] + GAMMA * bootstrap_q.mean(0).max(-1).values
+    q_taken = torch.stack([q_per_depth[depth - 1][:, b, batch["action"][b]] for b in range(len(y))], 1)  # (E, B)
+    return ((q_taken - y) ** 2).mean(1).sum()
+
+
+def hand_kl(q_per_depth, target_depth, student_depth):
+    """KL(pi_target || pi_student) averaged over the batch, pi_k = softmax(mean_critics Q_k / tau)."""
+    p = torch.softmax(q_per_depth[target_depth - 1].mean(0) / TAU, -1)
+    q = torch.softmax(q_per_depth[student_depth - 1].mean(0) / TAU, -1)
+    return (p * (p.log() - q.log())).sum(-1).mean()
+
+
+def test_flexloop_terms_are_td_at_depth_k_plus_lambda_adjacent_kl():
+    args, network, target_network, batch = loss_setup()
+    terms = terms_for(args, network, target_network, batch, lam=0.7)
+    with torch.no_grad():
+        q = network.all_depths(batch["obs"], batch["goal"])
+        q_next = target_network.all_depths(batch["next_obs"], batch["goal"])
+    torch.testing.assert_close(terms["td"], hand_td(q, q_next[-1], batch, DEPTH))
+    adjacent = torch.stack([hand_kl(q, k + 1, k) for k in range(1, DEPTH)]).mean()
+    torch.testing.assert_close(terms["depth_kl"], adjacent)
+    assert terms["bellman"] == 0
+    torch.testing.assert_close(terms["loss"], terms["td"] + 0.7 * terms["depth_kl"] + terms["alpha"])
+
+
+def test_anyk_td_is_the_mean_of_the_per_depth_td_losses():
+    args, network, target_network, batch = loss_setup(ablation="anyk-td")
+    terms = terms_for(args, network, target_network, batch)
+    with torch.no_grad():
+        q = network.all_depths(batch["obs"], batch["goal"])
+        q_next = target_network.all_depths(batch["next_obs"], batch["goal"])
+    per_depth = torch.stack([hand_td(q, q_next[-1], batch, k) for k in range(1, DEPTH + 1)])
+    torch.testing.assert_close(terms["td"], per_depth.mean())  # every depth bootstraps from the depth-K target
+    assert not torch.isclose(terms["td"], per_depth[-1])
+    # Pretraining is never changed by the ablation: depth K alone.
+    torch.testing.assert_close(terms_for(args, network, target_network, batch, phase="pretrain")["td"], per_depth[-1])
+
+
+def test_distill_only_has_no_td_term_and_its_gradient_is_the_kl_and_temperature_alone():
+    args, network, target_network, batch = loss_setup(ablation="distill-only")
+    terms = terms_for(args, network, target_network, batch)
+    assert terms["td"] == 0
+    network.zero_grad()
+    terms["loss"].backward()
+    grads = [p.grad.clone() for p in network.parameters()]
+    network.zero_grad()
+    again = terms_for(args, network, target_network, batch)
+    (again["depth_kl"] + again["alpha"]).backward()
+    for got, expected in zip(grads, [p.grad for p in network.parameters()]):
+        torch.testing.assert_close(got, expected)
+    # while plain FlexLoop on the same batch has a TD term
+    assert terms_for(dataclasses.replace(args, ablation="none"), network, target_network, batch)["td"] > 0
+    assert gcdqn.td_depth_weights("distill-only", 3) == [0.0, 0.0, 0.0]
+    assert gcdqn.td_depth_weights("none", 3) == [0.0, 0.0, 1.0]
+
+
+def test_final_depth_target_distils_every_depth_from_depth_k():
+    args, network, target_network, batch = loss_setup(depth_target="final")
+    terms = terms_for(args, network, target_network, batch)
+    with torch.no_grad():
+        q = network.all_depths(batch["obs"], batch["goal"])
+    final = torch.stack([hand_kl(q, DEPTH, k) for k in range(1, DEPTH)]).mean()
+    adjacent = torch.stack([hand_kl(q, k + 1, k) for k in range(1, DEPTH)]).mean()
+    torch.testing.assert_close(terms["depth_kl"], final)
+    assert not torch.isclose(final, adjacent)
+    # Only the shallower depths are pulled: depth K is only ever the (detached) target.
+    q = q.clone().requires_grad_(True)
+    gcdqn.flexloop_depth_loss(q, TAU, "final").backward()
+    assert q.grad[-1].abs().sum() == 0 and all(q.grad[k].abs().sum() > 0 for k in range(DEPTH - 1))
+
+
+def test_teacher_target_and_inter_depth_bellman_loss():
+    args, network, target_network, batch = loss_setup(bellman_weight=0.1)
+    torch.manual_seed(5)
+    teacher = perturbed(gcdqn.IRUQNetwork(depth=3, hidden_dim=12), 3).requires_grad_(False)  # any shape will do
+    terms = terms_for(args, network, target_network, batch, teacher=teacher)
+    with torch.no_grad():
+        q = network.all_depths(batch["obs"], batch["goal"])
+        q_next = target_network.all_depths(batch["next_obs"], batch["goal"])
+        q_teacher_next = teacher.all_depths(batch["next_obs"], batch["goal"])
+    # Depth K regresses onto r + gamma * max_a' Q_teacher(s', g, a'), not onto the target network.
+    torch.testing.assert_close(terms["td"], hand_td(q, q_teacher_next[-1], batch, DEPTH))
+    assert not torch.isclose(terms["td"], hand_td(q, q_next[-1], batch, DEPTH))
+    # Bellman refinement: Q_{k+1} against r + gamma * max_a' Q_target,k(s', g, a') for k = 1..K-2.
+    bellman = torch.stack([hand_td(q, q_next[k - 1], batch, k + 1) for k in range(1, DEPTH - 1)]).mean()
+    torch.testing.assert_close(terms["bellman"], bellman)
+    torch.testing.assert_close(terms["loss"], terms["td"] + terms["depth_kl"] + 0.1 * bellman + terms["alpha"])
+    # Its gradient reaches depths 2..K-1 only, and never the teacher.
+    q = q.clone().requires_grad_(True)
+    gcdqn.bellman_refinement_loss(q, batch["action"], q_next, batch["reward"], GAMMA).backward()
+    assert q.grad[0].abs().sum() == 0 and q.grad[-1].abs().sum() == 0
+    assert all(q.grad[k].abs().sum() > 0 for k in range(1, DEPTH - 1))
+
+
+# ----- the LSTM backbone -----
+
+def hand_lstm(network, obs, goal, action):
+    """One critic's Q_1..Q_K for one (s, g, a), the LSTM written out with plain tensors."""
+    x = torch.cat([obs.float(), goal.float(), F.one_hot(torch.tensor(action), 6).float()])
+    d = network.hidden_dim
+    x_emb = F.layer_norm(x @ network.embed.weight[0] + network.embed.bias[0, 0], (d,)) * \
+        network.embed_norm.weight[0, 0] + network.embed_norm.bias[0, 0]
+    c, h, outs = torch.zeros(d), torch.zeros(d), []
+    for _ in range(network.depth):
+        gates = torch.cat([x_emb, h]) @ network.gates.weight[0] + network.gates.bias[0, 0]
+        i, f, g, o = gates[:d], gates[d:2 * d], gates[2 * d:3 * d], gates[3 * d:]
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        outs.append(h @ network.head.weight[0, :, 0] + network.head.bias[0, 0, 0])
+    return torch.stack(outs)
+
+
+def test_lstm_matches_hand_computation_and_the_depth_protocol():
+    torch.manual_seed(0)
+    network = perturbed(gcdqn.LSTMQNetwork(depth=3, hidden_dim=6, num_critics=2), 0)
+    obs, goal = torch.randint(0, 12, (5, 36)), torch.randint(0, 12, (5, 36))
+    q = network.all_depths(obs, goal)  # (K, E, B, A)
+    assert q.shape == (3, 2, 5, 6)
+    for row, action in [(0, 0), (3, 5), (4, 2)]:
+        torch.testing.assert_close(q[:, 0, row, action], hand_lstm(network, obs[row], goal[row], action),
+                                   rtol=1e-5, atol=1e-5)
+    # start / advance / decide give all_depths' policies, and gather keeps rows' states.
+    state = network.start(obs, goal)
+    for k in range(3):
+        state = network.advance(state)
+        torch.testing.assert_close(network.decide(state), q[k].mean(0) / network.policy_temperature)
+    rows = torch.tensor([4, 1])
+    torch.testing.assert_close(network.decide(network.gather(state, rows)), network.decide(state)[rows])
+    # The depth KL through the LSTM reaches only the shallower depths.
+    q = network.all_depths(obs, goal)
+    q.retain_grad()
+    gcdqn.flexloop_depth_loss(q, network.policy_temperature).backward()
+    assert q.grad[-1].abs().sum() == 0 and q.grad[0].abs().sum() > 0 and q.grad[1].abs().sum() > 0
+    assert torch.all(gcdqn.LSTMQNetwork(hidden_dim=6).gates.bias[..., 6:12] == 1.0)  # forget-gate bias +1
+
+
+def test_lstm_184_has_about_the_parameters_of_iru_256():
+    count = lambda n: sum(p.numel() for p in n.parameters())  # noqa: E731
+    iru_256 = count(gcdqn.IRUQNetwork(hidden_dim=256))
+    lstm_256, lstm_184 = count(gcdqn.LSTMQNetwork(hidden_dim=256)), count(gcdqn.LSTMQNetwork(hidden_dim=184))
+    assert (iru_256, lstm_184, lstm_256) == (569_347, 573_347, 1_092_611)  # two critics each (README table)
+    assert abs(lstm_184 / iru_256 - 1) < 0.01
+
+
+def test_lstm_backbone_runs_end_to_end_and_reloads(tmp_path):
+    run_dir = gcdqn.train(tiny_args(tmp_path, backbone="lstm", hidden_dim=12))
+    network, args = gcdqn.network_from_checkpoint(gcdqn.load_checkpoint(run_dir / "final.pt"))
+    assert isinstance(network, gcdqn.LSTMQNetwork) and args.backbone == "lstm"
+    with pytest.raises(ValueError, match="--backbone"):  # an LSTM checkpoint cannot start an IRU run
+        gcdqn.train(tiny_args(tmp_path / "bad", hidden_dim=12, init_checkpoint=str(run_dir / "pretrained.pt")))
+
+
+# ----- depths K in {4, 5, 8, 10}: pretraining and FlexLoop -----
+
+@pytest.mark.parametrize("depth", [4, 5, 8, 10])
+def test_every_paper_depth_pretrains_and_post_trains(tmp_path, depth):
+    run_dir = gcdqn.train(tiny_args(tmp_path, depth=depth, hidden_dim=8, num_eval_envs=4))
+    final = gcdqn.load_checkpoint(run_dir / "final.pt")
+    assert final["depth"] == depth and final["phase"] == "flexloop"
+    assert gcdqn.load_checkpoint(run_dir / "pretrained.pt")["phase"] == "pretrain"
+    network, _ = gcdqn.network_from_checkpoint(final)
+    assert network.all_depths(torch.zeros(2, 36), torch.zeros(2, 36)).shape == (depth, 2, 2, 6)
+    assert f"eval/unseen/success_depth_{depth}" in final["metrics"]
+
+
+# ----- FlexLoop from scratch: the teacher is only read -----
+
+def test_from_scratch_update_never_changes_or_copies_the_teacher():
+    args = gcdqn.Args(depth=3, hidden_dim=8, batch_size=8, num_envs=8, cuda=False, learning_rate=1e-2)
+    torch.manual_seed(0)
+    teacher = perturbed(gcdqn.build_network(args, "cpu"), 7).requires_grad_(False)
+    teacher_before = {k: v.clone() for k, v in teacher.state_dict().items()}
+    network = gcdqn.build_network(args, "cpu")
+    target_network = gcdqn.build_network(args, "cpu").requires_grad_(False)
+    target_network.load_state_dict(network.state_dict())
+    student_before = {k: v.clone() for k, v in network.state_dict().items()}
+    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate)
+    assert not {id(p) for p in teacher.parameters()} & {id(p) for g in optimizer.param_groups for p in g["params"]}
+    replay = gcdqn.TrajectoryReplay(8, 2, 6, "cpu")
+    replay.add(torch.randint(0, 12, (8, 7, 36), dtype=torch.int8), torch.randint(0, 6, (8, 6), dtype=torch.int8),
+               torch.full((8,), 6))
+    loss_sums = torch.zeros(len(gcdqn.LOSS_TERMS))
+    update = gcdqn.make_update(args, network, target_network, optimizer, replay, torch.Generator().manual_seed(0),
+                               torch.tensor(1.0), loss_sums, teacher=teacher)
+    for _ in range(5):
+        update()
+    for name, value in teacher.state_dict().items():
+        assert torch.equal(value, teacher_before[name]), name  # unchanged
+        assert not torch.equal(network.state_dict()[name], value), name  # and not copied
+        assert not torch.equal(network.state_dict()[name], student_before[name]), name  # while the student learnt
+    assert all(p.grad is None for p in teacher.parameters())
+    assert loss_sums[gcdqn.LOSS_TERMS.index("bellman")] > 0
+
+
+def test_from_scratch_run_starts_from_fresh_weights_and_skips_pretraining(tmp_path):
+    teacher_dir = gcdqn.train(tiny_args(tmp_path / "teacher", num_epochs=0))
+    teacher_path = teacher_dir / "final.pt"
+    teacher_bytes = teacher_path.read_bytes()
+    # With a zero learning rate the student's final weights are its initial ones: fresh, not the teacher's.
+    args = tiny_args(tmp_path / "student", teacher_checkpoint=str(teacher_path), learning_rate=0.0)
+    run_dir = gcdqn.train(args)
+    student = gcdqn.load_checkpoint(run_dir / "final.pt")
+    teacher = gcdqn.load_checkpoint(teacher_path)["model"]
+    assert set(student["model"]) == set(teacher)  # the student's checkpoint holds no teacher weights
+    for name in ["embed.weight", "gates.weight", "head.weight", "embed_norm.weight", "log_alpha"]:
+        assert not torch.equal(student["model"][name], teacher[name]), name
+    torch.manual_seed(args.seed)
+    fresh = gcdqn.build_network(args, "cpu").state_dict()
+    for name, value in fresh.items():
+        assert torch.equal(student["model"][name], value), name
+    assert teacher_path.read_bytes() == teacher_bytes
+    assert not (run_dir / "pretrained.pt").exists() and student["updates"] == 2 * 3  # FlexLoop phase only
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(ablation="distill-only", lambda_depth=0.0), "--ablation distill-only"),
+    (dict(backbone="lstm", iru_variant="paper"), "--iru-variant"),
+    (dict(teacher_checkpoint="t.pt", init_checkpoint="i.pt"), "--teacher-checkpoint"),
+    (dict(teacher_checkpoint="t.pt", ablation="anyk-td"), "--teacher-checkpoint"),
+    (dict(bellman_weight=-0.1), "--bellman-weight"),
+])
+def test_bad_variant_flags_fail_before_work(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        gcdqn.train(tiny_args(tmp_path, **overrides))
+    assert not any(tmp_path.iterdir())
+
+
+def test_teacher_from_another_env_is_refused(tmp_path):
+    teacher_dir = gcdqn.train(tiny_args(tmp_path / "teacher", num_epochs=0, env_id="BoxPick-Exact-3-v0"))
+    with pytest.raises(ValueError, match="--env-id BoxPick-Exact-3-v0"):
+        gcdqn.train(tiny_args(tmp_path / "student", teacher_checkpoint=str(teacher_dir / "final.pt")))
+
+
+# ----- the other scripts: --backbone lstm and --depth-target final -----
+
+def test_gcppo_final_target_and_lstm_backbone():
+    logits = torch.randn(4, 5, 20, requires_grad=True)
+    p = torch.softmax(logits.detach(), -1)
+    final = torch.stack([(p[-1] * (p[-1].log() - p[k].log())).sum(-1).mean() for k in range(3)]).mean()
+    torch.testing.assert_close(gcppo.flexloop_depth_loss(logits, "final"), final)
+    network = gcppo.build_network(gcppo.Args(backbone="lstm", depth=3, hidden_dim=8), "cpu")
+    obs, goal = torch.rand(4, 20).round(), torch.rand(4, 20).round()
+    all_logits, values = network.all_depths(obs, goal)
+    state = network.start(obs, goal)
+    for k in range(3):
+        state = network.advance(state)
+        torch.testing.assert_close(network.decide(state), all_logits[k])
+    assert isinstance(network, gcppo.LSTMActorCritic) and values.shape == (3, 4)
+
+
+def test_gciql_final_target_and_lstm_backbone():
+    policies = torch.randn(4, 5, 2, 3)
+    policies[:, :, 1] = 1.0
+    final = torch.stack([gciql.IRUActor.divergence(policies[-1], policies[k]).mean() for k in range(3)]).mean()
+    torch.testing.assert_close(gciql.flexloop_depth_loss(policies, "final"), final)
+    args = gciql.Args(backbone="lstm", depth=3, hidden_dim=8)
+    agent = gciql.build_agent(args, "cpu")
+    assert all(isinstance(n, gciql.LSTM) for n in [agent.value, agent.critic, agent.actor.iru])
+    obs = torch.randn(4, agent.actor.iru.embed.weight.shape[1] // 2)
+    stacked = agent.actor.all_depths(obs, obs)
+    state = agent.actor.start(obs, obs)
+    for k in range(3):
+        state = agent.actor.advance(state)
+        torch.testing.assert_close(agent.actor.decide(state), stacked[k])
+
+
+# ----- sweep files -----
+
+SCRIPTS = {"flexloop_gcdqn.py": gcdqn, "flexloop_gcppo.py": gcppo, "flexloop_gciql.py": gciql}
+SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
+
+
+def test_there_are_sweeps_for_the_papers_grids():
+    names = {p.stem for p in SWEEPS}
+    assert {"main_boxpick", "lambda_depth", "ablation_distill_only", "ablation_self_td_only", "ablation_anyk_td",
+            "depth_target", "backbone_lstm", "depth_k", "from_scratch"} <= names
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=[p.stem for p in SWEEPS])
+def test_sweep_file_parses_and_names_real_flags(path):
+    sweep = yaml.safe_load(path.read_text())
+    assert sweep["method"] == "grid" and sweep["program"] in SCRIPTS
+    assert sweep["command"][:3] == ["${env}", "${interpreter}", "${program}"] and "${args}" in sweep["command"]
+    script = SCRIPTS[sweep["program"]]
+    fields = {f.name: f for f in dataclasses.fields(script.Args)}
+    parameters = sweep["parameters"]
+    assert set(parameters) <= set(fields), set(parameters) - set(fields)
+    # Every grid point passes the script's flag checks (which read no file, so a placeholder path passes).
+    grid = {name: spec["values"] if "values" in spec else [spec["value"]] for name, spec in parameters.items()}
+    for values in itertools.product(*grid.values()):
+        script.check_args(script.Args(**dict(zip(grid, values))))
