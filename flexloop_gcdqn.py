@@ -89,9 +89,9 @@ class Args:
     """residual: the public code (gates and head read h = sum tanh(c)); paper: the paper's equation (tanh(c), c)"""
     obs_encoding: Literal["codes", "onehot"] = "codes"
     """codes: the 36 cell codes as numbers (the reference); onehot: 36 x 12 one-hot cells (learns faster)"""
-
     backbone: Literal["iru", "lstm"] = "iru"
     """iru: the IRU cell; lstm: an LSTM cell unrolled over depth (the paper's LSTM-256 and LSTM-184 backbones)"""
+
     # GC-DQN
     learning_rate: float = 3e-4
     """Adam learning rate (critic and temperature)"""
@@ -127,7 +127,6 @@ class Args:
     """weight of the adjacent-depth KL (0 = plain IRU-K training)"""
     policy_temperature: float = 0.25
     """tau in pi_k = softmax(Q_k / tau)"""
-
     depth_target: Literal["adjacent", "final"] = "adjacent"
     """adjacent: KL(sg[pi_{k+1}] || pi_k) (FlexLoop); final: every depth distilled from depth K, KL(sg[pi_K] || pi_k)"""
     ablation: Literal["none", "distill-only", "anyk-td"] = "none"
@@ -138,6 +137,7 @@ class Args:
     queried, for the depth-K TD target r + gamma * max_a' Q_teacher(s', g, a'), and its weights are never copied"""
     bellman_weight: float = 0.1
     """with --teacher-checkpoint: weight of the inter-depth Bellman loss on depths 1..K-2 (appendix C.1)"""
+
     # Evaluation, logging, speed
     eval_every: int = 100
     """evaluate every depth on both splits every this many intervals (and at the end)"""
@@ -183,9 +183,6 @@ def check_args(args: Args):
         raise RuntimeError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
     if args.resume and args.init_checkpoint:
         raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
-
-
-# ---------------------------------------------------------------------------------------------------------
     if args.backbone == "lstm" and args.iru_variant != "residual":
         raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
     if args.ablation == "distill-only" and args.lambda_depth == 0:
@@ -200,6 +197,9 @@ def check_args(args: Args):
             raise ValueError("--teacher-checkpoint is FlexLoop from scratch; combine it with --ablation none only")
         if args.num_epochs == 0:
             raise ValueError("--teacher-checkpoint skips pretraining, so --num-epochs must be positive")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # IRU Q-network: an ensemble of IRUs evaluated as one batched matmul per layer.
 # ---------------------------------------------------------------------------------------------------------
 class EnsembleLinear(nn.Module):
@@ -372,9 +372,6 @@ def flexloop_depth_loss(q_per_depth, policy_temperature, target="adjacent"):
     return kl.mean()
 
 
-def td_target(target_q_next, rewards, gamma):
-    """r + gamma * max_a' mean_critics Q_target(s', g, a'), from the full-depth target Q (E, B, A)."""
-    return rewards + gamma * target_q_next.mean(0).max(-1).values
 def per_depth_td_loss(q_per_depth, action, y):
     """TD_k = sum over critics of mean_batch (Q_k(s, g, a) - y)^2, for every depth: (K,). y is (B,), or one
     target per depth (K, 1, B)."""
@@ -402,6 +399,9 @@ def bellman_refinement_loss(q_per_depth, action, target_q_next, reward, gamma):
     return per_depth_td_loss(q_per_depth[1:depth - 1], action, y[:, None]).mean()
 
 
+def td_target(target_q_next, rewards, gamma):
+    """r + gamma * max_a' mean_critics Q_target(s', g, a'), from the full-depth target Q (E, B, A)."""
+    return rewards + gamma * target_q_next.mean(0).max(-1).values
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -554,6 +554,9 @@ def load_checkpoint(path, algorithm=ALGORITHM):
 
 
 def build_network(args: Args, device):
+    if args.backbone == "lstm":
+        return LSTMQNetwork(args.depth, args.hidden_dim, args.num_critics, args.policy_temperature, args.init_alpha,
+                            args.obs_encoding).to(device)
     return IRUQNetwork(args.depth, args.hidden_dim, args.num_critics, args.iru_variant, args.policy_temperature,
                        args.init_alpha, args.obs_encoding).to(device)
 
@@ -562,9 +565,6 @@ def network_from_checkpoint(checkpoint, device="cpu"):
     """Rebuild the network from a checkpoint alone (used by eval_adaptive.py)."""
     args = Args(**checkpoint["args"])
     network = build_network(args, device)
-    if args.backbone == "lstm":
-        return LSTMQNetwork(args.depth, args.hidden_dim, args.num_critics, args.policy_temperature, args.init_alpha,
-                            args.obs_encoding).to(device)
     network.load_state_dict(checkpoint["model"])
     return network, args
 
@@ -690,6 +690,7 @@ def train(args: Args):
     init = load_checkpoint(args.init_checkpoint) if args.init_checkpoint and checkpoint is None else None
     if init is not None:
         check_compatible(init, args)
+    teacher = load_teacher(args, device) if args.teacher_checkpoint else None
 
     run_name = checkpoint["run_name"] if checkpoint else \
         f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
@@ -712,7 +713,6 @@ def train(args: Args):
     eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, seed=args.seed + 1000 + i,
                                       split=split, episode_length=args.episode_length, check_actions=False).unwrapped
                  for i, split in enumerate(["train", "unseen"])}
-    teacher = load_teacher(args, device) if args.teacher_checkpoint else None
     generators = {"actions": torch.Generator(device).manual_seed(args.seed),
                   "replay": torch.Generator(device).manual_seed(args.seed + 1),
                   "eval": torch.Generator(device).manual_seed(args.seed + 2),
@@ -756,8 +756,8 @@ def train(args: Args):
 
     def make_checkpoint(phase):
         # Weights a NaN/inf has reached are never saved: the losses summed since the last log are checked first.
-        check_finite(dict(zip(["losses/td_loss", "losses/depth_kl", "losses/alpha_loss", "charts/policy_entropy"],
-                              loss_sums)), updates)
+        check_finite(dict(zip(["losses/td_loss", "losses/depth_kl", "losses/alpha_loss", "charts/policy_entropy",
+                               "losses/bellman_loss"], loss_sums)), updates)
         return {"format": CHECKPOINT_FORMAT, "algorithm": ALGORITHM, "args": asdict(args), "env_id": args.env_id,
                 "depth": args.depth, "run_name": run_name, "model": network.state_dict(),
                 "target_model": target_network.state_dict(), "optimizer": optimizer.state_dict(),
@@ -798,6 +798,7 @@ def train(args: Args):
     while interval < total_intervals:
         phase, lam, _ = phase_at(interval)
         lambda_depth.fill_(lam)
+        td_weights.copy_(phase_td_weights[phase])  # device to device: no host sync
         observations, actions, lengths, success, _ = collect()
         replay.add(observations, actions, lengths)
         env_steps += args.num_envs * args.episode_length
@@ -824,7 +825,6 @@ def train(args: Args):
             loss_sums.zero_()
             last_metrics = metrics_log.write(metrics, env_steps)
             pbar.set_postfix(td=f"{last_metrics['losses/td_loss']:.3g}", kl=f"{last_metrics['losses/depth_kl']:.3g}")
-        td_weights.copy_(phase_td_weights[phase])  # device to device: no host sync
         if interval % args.eval_every == 0 or interval == total_intervals or phase_at(interval)[0] != phase:
             results = metrics_log.write({"phase": phase, **evaluate(network, eval_envs, generators["eval"])}, env_steps)
             last_metrics.update(results)
@@ -858,6 +858,18 @@ def check_compatible(init, args):
                          f"pass --env-id {init['env_id']}")
 
 
+def load_teacher(args, device):
+    """The output-only teacher of FlexLoop from scratch: a separate, frozen network built from its own
+    checkpoint (any depth, width or backbone). Only its Q-values are read; no optimiser holds it and its
+    weights are never copied into the student, whose checkpoints do not hold them either."""
+    checkpoint = load_checkpoint(args.teacher_checkpoint)
+    if checkpoint["env_id"] != args.env_id:
+        raise ValueError(f"--teacher-checkpoint was trained on {checkpoint['env_id']} but this run is on "
+                         f"{args.env_id}; pass --env-id {checkpoint['env_id']}")
+    teacher, _ = network_from_checkpoint(checkpoint, device)
+    return teacher.requires_grad_(False)
+
+
 def check_finite(metrics, updates):
     for name, value in metrics.items():
         if torch.is_tensor(value) and not torch.isfinite(value).all():
@@ -883,18 +895,6 @@ def capture_cuda_graph(fn, generators):
     generators fn draws from are registered, so every replay draws fresh numbers."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-def load_teacher(args, device):
-    """The output-only teacher of FlexLoop from scratch: a separate, frozen network built from its own
-    checkpoint (any depth, width or backbone). Only its Q-values are read; no optimiser holds it and its
-    weights are never copied into the student, whose checkpoints do not hold them either."""
-    checkpoint = load_checkpoint(args.teacher_checkpoint)
-    if checkpoint["env_id"] != args.env_id:
-        raise ValueError(f"--teacher-checkpoint was trained on {checkpoint['env_id']} but this run is on "
-                         f"{args.env_id}; pass --env-id {checkpoint['env_id']}")
-    teacher, _ = network_from_checkpoint(checkpoint, device)
-    return teacher.requires_grad_(False)
-
-
     with torch.cuda.stream(stream):
         for _ in range(CUDA_GRAPH_WARMUP):
             fn()

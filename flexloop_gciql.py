@@ -93,6 +93,8 @@ class Args:
     """critic ensemble size (the value and actor losses use the minimum over the ensemble)"""
     iru_variant: Literal["residual", "paper"] = "residual"
     """residual: the public code (gates and head read h = sum tanh(c)); paper: the paper's equation (tanh(c), c)"""
+    backbone: Literal["iru", "lstm"] = "iru"
+    """iru: the IRU cell; lstm: an LSTM cell unrolled over depth, for all three networks (§5.4's backbone ablation)"""
 
     # GC-IQL
     learning_rate: float = 3e-4
@@ -115,6 +117,8 @@ class Args:
     # FlexLoop
     lambda_depth: Optional[float] = None
     """weight of the adjacent-depth normalised KL on the actor (default: the dataset's, REFERENCE.md §4; 0 = IRU-K)"""
+    depth_target: Literal["adjacent", "final"] = "adjacent"
+    """adjacent: D~(sg[pi_{k+1}] || pi_k) (FlexLoop); final: every depth distilled from depth K, D~(sg[pi_K] || pi_k)"""
 
     # Evaluation, logging, speed
     eval_every: int = 100_000
@@ -164,6 +168,8 @@ def check_args(args: Args):
         raise RuntimeError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
     if args.resume and args.init_checkpoint:
         raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
+    if args.backbone == "lstm" and args.iru_variant != "residual":
+        raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
 
 
 def resolve_dataset_defaults(args: Args):
@@ -252,6 +258,35 @@ class IRU(nn.Module):
         return self.readout(state)
 
 
+class LSTM(IRU):
+    """The IRU's drop-in replacement for the backbone ablation: an LSTM cell unrolled over depth for a fixed input,
+
+        x_emb = LayerNorm(Linear(x)),   i, f, g, o = Linear(concat[x_emb, h])   (forget-gate bias initialised to +1)
+        c = sigmoid(f) * c + sigmoid(i) * tanh(g),   h = sigmoid(o) * tanh(c),   out_k = Head(h)
+
+    with the IRU's state (x_emb, c, h), members and methods."""
+
+    def __init__(self, in_dim, out_dim, depth=5, hidden_dim=256, members=1):
+        super().__init__(in_dim, out_dim, depth, hidden_dim, "residual", members)  # "residual": the head reads h
+        del self.gate_norm  # a plain LSTM cell: no normalisation inside
+        self.gates = EnsembleLinear(members, 2 * hidden_dim, 4 * hidden_dim)  # input, forget, cell, output
+        with torch.no_grad():
+            self.gates.bias[..., hidden_dim:2 * hidden_dim] = 1.0
+
+    def advance(self, state):
+        x_emb, c, h = state
+        input_gate, forget_gate, cell, output_gate = self.gates(torch.cat([x_emb, h], -1)).chunk(4, -1)
+        c = torch.sigmoid(forget_gate) * c + torch.sigmoid(input_gate) * torch.tanh(cell)
+        h = torch.sigmoid(output_gate) * torch.tanh(c)
+        return x_emb, c, h
+
+
+def recurrent_network(backbone, in_dim, out_dim, depth, hidden_dim, variant, members=1):
+    if backbone == "lstm":
+        return LSTM(in_dim, out_dim, depth, hidden_dim, members)
+    return IRU(in_dim, out_dim, depth, hidden_dim, variant, members)
+
+
 class IRUActor(nn.Module):
     """The depth-elastic Gaussian actor pi_k(a | s, g) = N(mu_k(s, g), ACTOR_STD^2), mu_k read out at depth k.
 
@@ -268,10 +303,11 @@ class IRUActor(nn.Module):
         act(policy)                       the mean action clipped to [-1, 1] (a sample with deterministic=False)
     """
 
-    def __init__(self, obs_dim, action_dim, depth=5, hidden_dim=256, variant="residual", std=ACTOR_STD):
+    def __init__(self, obs_dim, action_dim, depth=5, hidden_dim=256, variant="residual", std=ACTOR_STD,
+                 backbone="iru"):
         super().__init__()
         self.depth, self.action_dim, self.std = depth, action_dim, std
-        self.iru = IRU(2 * obs_dim, action_dim, depth, hidden_dim, variant)
+        self.iru = recurrent_network(backbone, 2 * obs_dim, action_dim, depth, hidden_dim, variant)  # or an LSTM
 
     def start(self, obs, goal):
         return self.iru.start(torch.cat([obs, goal], -1))
@@ -318,11 +354,13 @@ class IRUActor(nn.Module):
 class GCIQLAgent(nn.Module):
     """The three networks of GC-IQL: value V(s, g), critic ensemble Q_i(s, g, a) and the actor."""
 
-    def __init__(self, obs_dim, action_dim, depth=5, hidden_dim=256, variant="residual", num_critics=2):
+    def __init__(self, obs_dim, action_dim, depth=5, hidden_dim=256, variant="residual", num_critics=2,
+                 backbone="iru"):
         super().__init__()
-        self.value = IRU(2 * obs_dim, 1, depth, hidden_dim, variant)
-        self.critic = IRU(2 * obs_dim + action_dim, 1, depth, hidden_dim, variant, members=num_critics)
-        self.actor = IRUActor(obs_dim, action_dim, depth, hidden_dim, variant)
+        self.value = recurrent_network(backbone, 2 * obs_dim, 1, depth, hidden_dim, variant)
+        self.critic = recurrent_network(backbone, 2 * obs_dim + action_dim, 1, depth, hidden_dim, variant,
+                                        members=num_critics)
+        self.actor = IRUActor(obs_dim, action_dim, depth, hidden_dim, variant, backbone=backbone)
 
 
 def value_at(value, obs, goal):
@@ -360,10 +398,12 @@ def ddpg_bc_actor_loss(q, log_prob, alpha):
     return q_loss + bc_loss, q_loss, bc_loss
 
 
-def flexloop_depth_loss(policies):
-    """mean_{k=1..K-1} D~(sg[pi_{k+1}] || pi_k) over the stacked policies (K, rows, 2, A).
+def flexloop_depth_loss(policies, target="adjacent"):
+    """mean_{k=1..K-1} D~(sg[pi_{k+1}] || pi_k) over the stacked policies (K, rows, 2, A); with target="final",
+    mean_{k=1..K-1} D~(sg[pi_K] || pi_k) instead.
     The deeper policy is the target (detached), so only the shallower depth moves towards it."""
-    return IRUActor.divergence(policies[1:].detach(), policies[:-1]).mean()
+    deeper = policies[1:] if target == "adjacent" else policies[-1:].expand_as(policies[:-1])
+    return IRUActor.divergence(deeper.detach(), policies[:-1]).mean()
 
 
 LOSS_NAMES = ["losses/value_loss", "losses/critic_loss", "losses/actor_loss", "losses/depth_kl", "losses/q_loss",
@@ -392,7 +432,7 @@ def gciql_losses(agent, target_critic, batch, args, lambda_depth):
     q_actor_input = torch.cat([obs, actor_goals, mean.clamp(-1.0, 1.0)], -1)
     q_actor = torch.func.functional_call(agent.critic, frozen_critic, (q_actor_input,))[..., 0].min(0).values
     actor_loss, q_loss, bc_loss = ddpg_bc_actor_loss(q_actor, gaussian_log_prob(actions, mean, std), args.alpha)
-    depth_kl = flexloop_depth_loss(policies)
+    depth_kl = flexloop_depth_loss(policies, args.depth_target)
 
     loss = value_loss + critic_loss + actor_loss + lambda_depth * depth_kl
     parts = torch.stack([value_loss, critic_loss, actor_loss, depth_kl, q_loss, bc_loss, v.mean(), q.mean(),
@@ -605,7 +645,7 @@ def load_checkpoint(path, algorithm=ALGORITHM):
 def build_agent(args: Args, device):
     spec = ogbench_data.get_spec(args.env_name)
     return GCIQLAgent(spec.obs_dim, spec.action_dim, args.depth, args.hidden_dim, args.iru_variant,
-                      args.num_critics).to(device)
+                      args.num_critics, args.backbone).to(device)
 
 
 def network_from_checkpoint(checkpoint, device="cpu"):
@@ -829,8 +869,8 @@ def train(args: Args):
 
 def check_compatible(init, args):
     """A pretrained checkpoint must match this run's dataset, depth and network shape."""
-    theirs = init["args"]
-    for key in ["depth", "hidden_dim", "num_critics", "iru_variant"]:
+    theirs = {"backbone": "iru", **init["args"]}  # checkpoints from before --backbone hold IRUs
+    for key in ["depth", "hidden_dim", "num_critics", "iru_variant", "backbone"]:
         if theirs[key] != getattr(args, key):
             raise ValueError(f"--init-checkpoint was trained with {key}={theirs[key]!r} but this run has "
                              f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {theirs[key]}")

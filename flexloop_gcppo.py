@@ -81,6 +81,8 @@ class Args:
     """IRU width d"""
     iru_variant: Literal["residual", "paper"] = "residual"
     """residual: the public code (gates and heads read h = sum tanh(c)); paper: the paper's equation (tanh(c), c)"""
+    backbone: Literal["iru", "lstm"] = "iru"
+    """iru: the IRU cell; lstm: an LSTM cell unrolled over depth (the paper's backbone ablation, §5.4)"""
 
     # GC-PPO
     pretrain_timesteps: int = 50_000_000
@@ -119,6 +121,8 @@ class Args:
     # FlexLoop
     lambda_depth: float = 0.05
     """weight of the adjacent-depth KL (0 = plain IRU-K training)"""
+    depth_target: Literal["adjacent", "final"] = "adjacent"
+    """adjacent: KL(sg[pi_{k+1}] || pi_k) (FlexLoop); final: every depth distilled from depth K, KL(sg[pi_K] || pi_k)"""
     teacher_value_targets: bool = True
     """in the FlexLoop phase, regress V_K onto the frozen teacher's values instead of the GAE returns (paper)"""
 
@@ -175,6 +179,8 @@ def check_args(args: Args):
         raise ValueError("--cuda-graph needs a CUDA GPU; drop the flag on CPU")
     if args.resume and args.init_checkpoint:
         raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
+    if args.backbone == "lstm" and args.iru_variant != "residual":
+        raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -302,6 +308,30 @@ class IRUActorCritic(nn.Module):
         return (logits - torch.log(-torch.log(uniform))).argmax(-1)
 
 
+class LSTMActorCritic(IRUActorCritic):
+    """The same actor-critic with an LSTM cell in place of the IRU cell, unrolled over depth for a fixed input:
+
+        i, f, g, o = Linear(concat[x_emb, h])            (forget-gate bias initialised to +1)
+        c = sigmoid(f) * c + sigmoid(i) * tanh(g),   h = sigmoid(o) * tanh(c),   heads read h
+
+    The input pipeline, the heads, the state (x_emb, c, h) and the depth protocol are the IRU's."""
+
+    def __init__(self, depth=5, hidden_dim=64, obs_clip=10.0, input_dim=2 * NUM_LIGHTS, num_actions=NUM_LIGHTS):
+        # variant "residual": the inherited readout is h, the LSTM's output
+        super().__init__(depth, hidden_dim, "residual", obs_clip, input_dim, num_actions)
+        del self.gate_norm  # a plain LSTM cell: no normalisation inside
+        self.gates = nn.Linear(2 * hidden_dim, 4 * hidden_dim)  # input, forget, cell, output
+        with torch.no_grad():
+            self.gates.bias[hidden_dim:2 * hidden_dim] = 1.0
+
+    def advance(self, state):
+        x_emb, c, h = state
+        input_gate, forget_gate, cell, output_gate = self.gates(torch.cat([x_emb, h], -1)).chunk(4, -1)
+        c = torch.sigmoid(forget_gate) * c + torch.sigmoid(input_gate) * torch.tanh(cell)
+        h = torch.sigmoid(output_gate) * torch.tanh(c)
+        return x_emb, c, h
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Losses: GAE, PPO at depth K, and FlexLoop's adjacent-depth KL.
 # ---------------------------------------------------------------------------------------------------------
@@ -346,11 +376,13 @@ def ppo_loss(logits, values, actions, old_logprobs, old_values, advantages, valu
     return policy_loss, value_loss, entropy, approx_kl, clipfrac
 
 
-def flexloop_depth_loss(logits_per_depth):
-    """mean_{k=1..K-1} KL(sg[pi_{k+1}] || pi_k) from logits (K, B, A).
+def flexloop_depth_loss(logits_per_depth, target="adjacent"):
+    """mean_{k=1..K-1} KL(sg[pi_{k+1}] || pi_k) from logits (K, B, A); with target="final",
+    mean_{k=1..K-1} KL(sg[pi_K] || pi_k) instead.
 
     The deeper policy is the target (detached), so only the shallower depth moves towards it."""
-    kl = IRUActorCritic.divergence(logits_per_depth[1:].detach(), logits_per_depth[:-1])  # (K-1, B)
+    deeper = logits_per_depth[1:] if target == "adjacent" else logits_per_depth[-1:].expand_as(logits_per_depth[:-1])
+    kl = IRUActorCritic.divergence(deeper.detach(), logits_per_depth[:-1])  # (K-1, B)
     return kl.mean()
 
 
@@ -456,6 +488,8 @@ def load_checkpoint(path, algorithm=ALGORITHM):
 
 
 def build_network(args: Args, device):
+    if args.backbone == "lstm":
+        return LSTMActorCritic(args.depth, args.hidden_dim, args.obs_clip).to(device)
     return IRUActorCritic(args.depth, args.hidden_dim, args.iru_variant, args.obs_clip).to(device)
 
 
@@ -533,7 +567,7 @@ def make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth
         policy_loss, value_loss, entropy, approx_kl, clipfrac = ppo_loss(
             logits[-1], values[-1], flat["actions"][rows], flat["logprobs"][rows], flat["values"][rows],
             flat["advantages"][rows], flat["value_targets"][rows], args.clip_coef, args.clip_vloss, args.norm_adv)
-        depth_loss = flexloop_depth_loss(logits)
+        depth_loss = flexloop_depth_loss(logits, args.depth_target)
         loss = policy_loss - args.ent_coef * entropy + args.vf_coef * value_loss + lambda_depth * depth_loss
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
@@ -750,8 +784,8 @@ def train(args: Args):
 
 def check_compatible(init, args):
     """A pretrained checkpoint must match this run's env and network shape."""
-    theirs = init["args"]
-    for key in ["depth", "hidden_dim", "iru_variant"]:
+    theirs = {"backbone": "iru", **init["args"]}  # checkpoints from before --backbone hold IRUs
+    for key in ["depth", "hidden_dim", "iru_variant", "backbone"]:
         if theirs[key] != getattr(args, key):
             raise ValueError(f"--init-checkpoint was trained with {key}={theirs[key]!r} but this run has "
                              f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {theirs[key]}")
