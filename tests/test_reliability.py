@@ -314,7 +314,7 @@ def test_disk_full_mid_run_stops_with_a_clear_error_and_keeps_the_last_checkpoin
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_an_unwritable_run_folder_fails_before_training(tmp_path, monkeypatch, data_dir, script):
-    monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)  # the tests may run as root, which chmod can't stop
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)  # root ignores chmod
     with pytest.raises(PermissionError, match="not writable; point --run-dir at a writable folder"):
         SCRIPTS[script].train(script_args(script, tmp_path, data_dir))
     assert not list(run_folder(tmp_path).iterdir())
