@@ -14,6 +14,7 @@ import yaml
 import flexloop_gcdqn as gcdqn
 import flexloop_gciql as gciql
 import flexloop_gcppo as gcppo
+from envs import ogbench_data
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -298,7 +299,7 @@ def test_teacher_from_another_env_is_refused(tmp_path):
 
 # ----- the other scripts: --backbone lstm and --depth-target final -----
 
-def test_gcppo_final_target_and_lstm_backbone():
+def test_gcppo_final_target_and_lstm_backbone(tmp_path):
     logits = torch.randn(4, 5, 20, requires_grad=True)
     p = torch.softmax(logits.detach(), -1)
     final = torch.stack([(p[-1] * (p[-1].log() - p[k].log())).sum(-1).mean() for k in range(3)]).mean()
@@ -311,9 +312,15 @@ def test_gcppo_final_target_and_lstm_backbone():
         state = network.advance(state)
         torch.testing.assert_close(network.decide(state), all_logits[k])
     assert isinstance(network, gcppo.LSTMActorCritic) and values.shape == (3, 4)
+    # end to end: pretraining and FlexLoop with both flags, and the checkpoint rebuilds the LSTM
+    run_dir = gcppo.train(gcppo.Args(cuda=False, num_envs=8, num_steps=8, num_minibatches=2, update_epochs=1, depth=3,
+                                     hidden_dim=8, pretrain_timesteps=64, total_timesteps=64, num_eval_envs=4,
+                                     run_dir=str(tmp_path), backbone="lstm", depth_target="final"))
+    network, _ = gcppo.network_from_checkpoint(gcppo.load_checkpoint(run_dir / "final.pt"))
+    assert isinstance(network, gcppo.LSTMActorCritic)
 
 
-def test_gciql_final_target_and_lstm_backbone():
+def test_gciql_final_target_and_lstm_backbone(tmp_path):
     policies = torch.randn(4, 5, 2, 3)
     policies[:, :, 1] = 1.0
     final = torch.stack([gciql.IRUActor.divergence(policies[-1], policies[k]).mean() for k in range(3)]).mean()
@@ -327,6 +334,14 @@ def test_gciql_final_target_and_lstm_backbone():
     for k in range(3):
         state = agent.actor.advance(state)
         torch.testing.assert_close(agent.actor.decide(state), stacked[k])
+    # end to end on a tiny generated dataset (no evaluation), and the checkpoint rebuilds the LSTM actor
+    ogbench_data.generate_dataset(args.env_name, str(tmp_path), episodes=4, episode_steps=40, seed=0, progress=False)
+    args = dataclasses.replace(args, dataset_dir=str(tmp_path), download=False, run_dir=str(tmp_path), cuda=False,
+                               depth=2, batch_size=16, pretrain_steps=3, total_steps=3, log_every=3, save_every=3,
+                               eval_episodes=0, depth_target="final")
+    run_dir = gciql.train(args)
+    actor, _ = gciql.network_from_checkpoint(gciql.load_checkpoint(run_dir / "final.pt"))
+    assert isinstance(actor.iru, gciql.LSTM)
 
 
 # ----- sweep files -----
