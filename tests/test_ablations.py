@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import tyro
 import yaml
 
 import flexloop_gcdqn as gcdqn
@@ -365,7 +366,12 @@ def test_sweep_file_parses_and_names_real_flags(path):
     fields = {f.name: f for f in dataclasses.fields(script.Args)}
     parameters = sweep["parameters"]
     assert set(parameters) <= set(fields), set(parameters) - set(fields)
-    # Every grid point passes the script's flag checks (which read no file, so a placeholder path passes).
+    # Every grid point, as the command line wandb agent builds (--name=value), parses to those values and passes
+    # the script's flag checks (which read no file, so a placeholder teacher path passes).
     grid = {name: spec["values"] if "values" in spec else [spec["value"]] for name, spec in parameters.items()}
+    fixed = [word for word in sweep["command"] if not word.startswith("${")]
     for values in itertools.product(*grid.values()):
-        script.check_args(script.Args(**dict(zip(grid, values))))
+        point = dict(zip(grid, values))
+        args = tyro.cli(script.Args, args=fixed + [f"--{name}={value}" for name, value in point.items()])
+        assert {name: getattr(args, name) for name in point} == point
+        script.check_args(args)
