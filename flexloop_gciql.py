@@ -329,14 +329,18 @@ class IRUActor(nn.Module):
 
     @staticmethod
     def divergence(p, q):
-        """Normalised Gaussian KL, per row: D~(p || q) = (1/|A|) sum_j (mu_p,j - mu_q,j)^2 / (2 sigma_p,j^2).
+        """Normalised Gaussian KL, per row: D~(p || q) = (1/|A|) sum_j (tanh mu_p,j - tanh mu_q,j)^2 / (2 sigma_p,j^2).
 
-        It is KL(N(mu_p, sigma_p^2) || N(mu_q, sigma_p^2)) averaged over action dimensions: q's std is replaced
-        by p's. The raw KL's (sigma_p^2 + (mu_p - mu_q)^2) / (2 sigma_q^2) + log(sigma_q / sigma_p) can be cut by
-        inflating sigma_q, the student's scale; this cannot (q's std does not enter), and it is zero exactly
-        when the means agree. In training p is the deeper, detached teacher and q the shallower student."""
-        mean_p, std_p = p[..., 0, :], p[..., 1, :]
-        mean_q = q[..., 0, :]
+        It is KL(N(tanh mu_p, sigma_p^2) || N(tanh mu_q, sigma_p^2)) averaged over action dimensions: q's std is
+        replaced by p's. The raw KL's (sigma_p^2 + (mu_p - mu_q)^2) / (2 sigma_q^2) + log(sigma_q / sigma_p) can be
+        cut by inflating sigma_q, the student's scale; this cannot (q's std does not enter), and it is zero exactly
+        when the means agree. The means are squashed into the action range [-1, 1] first: with unbounded means,
+        pulling a shallow depth towards a deeper one through shared weights also pushes the deeper one further
+        out, and on pointmaze (alpha 0.003, lambda 0.3) the means ran away to |mu| > 200 within 800 updates;
+        squashed, the distance and its gradient stay bounded. In training p is the deeper, detached teacher and
+        q the shallower student."""
+        mean_p, std_p = torch.tanh(p[..., 0, :]), p[..., 1, :]
+        mean_q = torch.tanh(q[..., 0, :])
         return ((mean_p - mean_q) ** 2 / (2 * std_p ** 2)).mean(-1)
 
     @staticmethod

@@ -106,14 +106,26 @@ def test_normalised_kl_values_and_direction():
     d = gciql.IRUActor.divergence
     p = policy(torch.randn(5, 3), torch.rand(5, 3) + 0.3)
     torch.testing.assert_close(d(p, p), torch.zeros(5))  # zero at equality
-    # hand value: (1/|A|) sum_j (mu_p - mu_q)^2 / (2 sigma_p^2) = (1/2) (1 / 8 + 0)
+    # hand value: (1/|A|) sum_j (tanh mu_p - tanh mu_q)^2 / (2 sigma_p^2) = (1/2) (tanh(1)^2 / 8 + 0)
     teacher, student = policy([[1.0, 0.0]], [[2.0, 1.0]]), policy([[0.0, 0.0]], [[0.3, 5.0]])
-    assert d(teacher, student).item() == pytest.approx(1 / 16)
-    # it is the KL to N(mu_q, sigma_p^2), averaged over action dimensions
-    same_scale = policy(student[:, 0], teacher[:, 1])
-    assert d(teacher, student).item() == pytest.approx(raw_gaussian_kl(teacher, same_scale).item() / 2)
+    assert d(teacher, student).item() == pytest.approx(math.tanh(1) ** 2 / 16)
+    # it is the KL between the squashed means' Gaussians with q's std replaced by p's, averaged over dimensions
+    squashed = lambda x: policy(torch.tanh(x[:, 0]), x[:, 1])  # noqa: E731
+    same_scale = policy(torch.tanh(student[:, 0]), teacher[:, 1])
+    assert d(teacher, student).item() == pytest.approx(raw_gaussian_kl(squashed(teacher), same_scale).item() / 2)
     # direction: the first argument's (the teacher's) std sets the scale
-    assert d(student, teacher).item() == pytest.approx(0.5 * (1 / (2 * 0.3 ** 2)))
+    assert d(student, teacher).item() == pytest.approx(0.5 * (math.tanh(1) ** 2 / (2 * 0.3 ** 2)))
+
+
+def test_normalised_kl_stays_bounded_for_runaway_means():
+    """Squashed means bound the distance by 2 / sigma_p^2 however far the means run, and its gradient
+    vanishes as the student's mean grows: no moving-target runaway through shared weights."""
+    teacher = policy(torch.full((4, 2), 50.0), torch.ones(4, 2))
+    student_mean = torch.tensor([[-500.0, 3.0]] * 4, requires_grad=True)
+    value = gciql.IRUActor.divergence(teacher, policy(student_mean, torch.ones(4, 2)))
+    assert (value <= 2.0).all()
+    value.sum().backward()
+    assert student_mean.grad[:, 0].abs().max() < 1e-6  # saturated: no push to grow further
 
 
 def test_normalised_kl_cannot_be_cut_by_inflating_the_student_scale():
@@ -136,9 +148,11 @@ def test_depth_loss_gradient_reaches_only_the_shallower_depth():
     loss = gciql.flexloop_depth_loss(policies)
     loss.backward()
     assert means[-1].grad is None or torch.all(means[-1].grad == 0)  # the deepest depth is only a teacher
-    # d/d mu_k of mean_{k, rows, j} (mu_{k+1} - mu_k)^2 / 2 = -(mu_{k+1} - mu_k) / ((K - 1) B A)
+    # d/d mu_k of mean_{k, rows, j} (tanh mu_{k+1} - tanh mu_k)^2 / 2
+    #   = -(tanh mu_{k+1} - tanh mu_k) (1 - tanh^2 mu_k) / ((K - 1) B A)
     for k in range(depth - 1):
-        expected = -(means[k + 1] - means[k]).detach() / ((depth - 1) * batch * action_dim)
+        deeper, shallower = torch.tanh(means[k + 1]).detach(), torch.tanh(means[k]).detach()
+        expected = -(deeper - shallower) * (1 - shallower ** 2) / ((depth - 1) * batch * action_dim)
         torch.testing.assert_close(means[k].grad, expected)
 
 
