@@ -179,6 +179,10 @@ def check_args(args: Args):
         raise ValueError(f"--future-discount must lie in (0, 1), got {args.future_discount}")
     if args.pretrain_epochs < 0 or args.num_epochs < 0:
         raise ValueError("--pretrain-epochs and --num-epochs must be >= 0")
+    pretraining = 0 if args.init_checkpoint or args.teacher_checkpoint else args.pretrain_epochs
+    if pretraining + args.num_epochs == 0 and not args.resume:
+        raise ValueError("nothing to train: --num-epochs is 0 and there is no pretraining phase "
+                         "(--pretrain-epochs 0, or --init-checkpoint / --teacher-checkpoint skips it)")
     if args.require_cuda and not torch.cuda.is_available():
         raise RuntimeError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
     if args.resume and args.init_checkpoint:

@@ -221,6 +221,7 @@ def test_goal_reached_ignores_the_agent():
     (dict(env_id="BoxPick-Exact-9-v0"), "--env-id"),
     (dict(num_envs=0), "--num-envs"),
     (dict(policy_temperature=0.0), "--policy-temperature"),
+    (dict(pretrain_epochs=0, num_epochs=0), "nothing to train"),
 ])
 def test_bad_flags_fail_before_work(tmp_path, overrides, match):
     with pytest.raises(ValueError, match=match):
