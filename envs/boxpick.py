@@ -283,14 +283,18 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
         else:
             box, target, agent_start, allowed = self.sample_tasks(self.num_envs)
             carrying = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
-        self.grid, self.goal = self._build(box, target, agent_start, carrying)
-        self.agent_pos = agent_start.clone()
-        self.allowed = allowed
+        grid, goal = self._build(box, target, agent_start, carrying)
+        # State is written in place everywhere: it lives at fixed addresses, so a CUDA graph that captured
+        # reset or step reads and writes the live state on every replay (never a freed tensor).
+        self.grid.copy_(grid)
+        self.goal.copy_(goal)
+        self.agent_pos.copy_(agent_start)
+        self.allowed.copy_(allowed)
         self.steps.zero_()
         return self._obs(), {}
 
     def _obs(self):
-        return {"observation": hide_targets(self.grid), "desired_goal": self.goal}
+        return {"observation": hide_targets(self.grid), "desired_goal": self.goal.clone()}  # a copy: state changes in place
 
     def _parse_given_states(self, options):
         """Validate explicitly given states: grid of box/target codes, agent cell, carrying flag."""
@@ -367,7 +371,8 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
         dest_box, dest_target, _, _ = decode(grid[self._env_index, new_pos])
         entered_cell = encode(dest_box, dest_target, ~no, carrying)
         grid[self._env_index, new_pos] = entered_cell
-        self.grid, self.agent_pos = grid, new_pos
+        self.grid.copy_(grid)
+        self.agent_pos.copy_(new_pos)
         self.steps += 1
 
         obs = self._obs()
@@ -394,11 +399,11 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
         carrying = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
         new_grid, new_goal = self._build(box, target, agent_start, carrying)
         done_col = done[:, None]
-        self.grid = torch.where(done_col, new_grid, self.grid)
-        self.goal = torch.where(done_col, new_goal, self.goal)
-        self.allowed = torch.where(done_col, allowed, self.allowed)
-        self.agent_pos = torch.where(done, agent_start, self.agent_pos)
-        self.steps = torch.where(done, torch.zeros_like(self.steps), self.steps)
+        self.grid.copy_(torch.where(done_col, new_grid, self.grid))
+        self.goal.copy_(torch.where(done_col, new_goal, self.goal))
+        self.allowed.copy_(torch.where(done_col, allowed, self.allowed))
+        self.agent_pos.copy_(torch.where(done, agent_start, self.agent_pos))
+        self.steps.masked_fill_(done, 0)
 
     def _check(self, actions):
         actions = torch.as_tensor(actions)

@@ -250,9 +250,11 @@ class LightsOutVecEnv(gymnasium.vector.VectorEnv):
                 )
             board = self._given_states(options["board"], "options['board']")
             goal = self._given_states(options["goal"], "options['goal']")
-            self.board, self.goal = board, goal
         else:
-            self.board, self.goal = self._sample_tasks()
+            board, goal = self._sample_tasks()
+        # State is written in place: fixed addresses, so a CUDA graph that captured reset or step stays valid.
+        self.board.copy_(board)
+        self.goal.copy_(goal)
         self.episode_length.zero_()
         self.episode_return.zero_()
         self._needs_reset = False
@@ -297,7 +299,7 @@ class LightsOutVecEnv(gymnasium.vector.VectorEnv):
             raise RuntimeError("call reset() before step()")
         actions = self._validate_actions(actions)
 
-        self.board = self.board ^ self._press_bool[actions]
+        self.board ^= self._press_bool[actions]
         self.episode_length += 1
         success = (self.board == self.goal).all(dim=1)
         # success - step cost, written as two constants so the float32 values are exactly 0.9 and -0.1
@@ -318,8 +320,8 @@ class LightsOutVecEnv(gymnasium.vector.VectorEnv):
 
         # SAME_STEP autoreset: finished rows get a fresh task, the others keep theirs
         new_board, new_goal = self._sample_tasks()
-        self.board = torch.where(done[:, None], new_board, self.board)
-        self.goal = torch.where(done[:, None], new_goal, self.goal)
-        self.episode_length = torch.where(done, 0, self.episode_length)
-        self.episode_return = torch.where(done, 0.0, self.episode_return)
+        self.board.copy_(torch.where(done[:, None], new_board, self.board))
+        self.goal.copy_(torch.where(done[:, None], new_goal, self.goal))
+        self.episode_length.masked_fill_(done, 0)
+        self.episode_return.masked_fill_(done, 0.0)
         return self._obs(), reward, terminated, truncated, info

@@ -257,6 +257,56 @@ def test_cuda_generator_invariants():
     assert (box.sum(1) == 4).all() and (target.sum(1) == 4).all()
 
 
+STATE = ("grid", "goal", "agent_pos", "steps", "allowed")
+
+
+def test_state_is_updated_in_place():
+    """A CUDA graph that captured reset/step replays on the addresses it saw: the state must never be
+    replaced by new tensors (a replaced tensor is freed, and the graph would write into freed memory)."""
+    env = BoxPickVecEnv(64, variant="Exact-4", episode_length=5, seed=0)
+    addresses = {name: getattr(env, name).data_ptr() for name in STATE}
+    env.reset()
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(12):  # crosses two auto-resets
+        _, _, _, _, info = env.step(torch.randint(0, 6, (64,), generator=generator))
+    env.reset(options={"grid": env.grid.clone()})
+    assert {name: getattr(env, name).data_ptr() for name in STATE} == addresses
+
+
+def test_returned_goal_is_a_copy():
+    env = BoxPickVecEnv(8, variant="Exact-4", episode_length=1, seed=0)
+    obs, _ = env.reset()
+    goal = obs["desired_goal"].clone()
+    _, _, _, _, info = env.step(torch.zeros(8, dtype=torch.long))  # every env auto-resets to a new task
+    assert torch.equal(obs["desired_goal"], goal) and torch.equal(info["final_obs"]["desired_goal"], goal)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graph_replay_matches_eager_steps():
+    """Steps replayed from a CUDA graph follow the same trajectories as eager steps on the same states."""
+    graphed, eager = (BoxPickVecEnv(256, variant="Generalize-4-1", device="cuda", seed=0, check_actions=False)
+                      for _ in range(2))  # the range check syncs, which capture forbids
+    actions = torch.zeros(256, dtype=torch.long, device="cuda")
+    graphed.reset()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graphed.step(actions)  # warm-up, as torch.cuda.graphs requires
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_obs, graph_reward, _, _, _ = graphed.step(actions)
+    eager.reset()
+    graphed.reset(options={"grid": eager.grid.clone()})  # in place: the graph sees this state
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(60):  # within one 100-step episode: no auto-reset draws involved
+        actions.copy_(torch.randint(0, 6, (256,), generator=generator, device="cuda"))
+        graph.replay()
+        obs, reward, _, _, _ = eager.step(actions)
+        assert torch.equal(graph_obs["observation"], obs["observation"]) and torch.equal(graph_reward, reward)
+    assert torch.equal(graphed.grid, eager.grid) and torch.equal(graphed.steps, eager.steps)
+
+
 def test_registered_ids_make_batched_envs():
     for env_id in envs.BOXPICK_IDS:
         env = gym.make_vec(env_id, num_envs=3, split="unseen")

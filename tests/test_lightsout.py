@@ -398,3 +398,16 @@ def test_cuda_task_stream_reproducible_and_in_split():
     lengths = min_solution_length(a["observation"], a["desired_goal"])
     assert lengths.device.type == "cuda"
     assert set(lengths.cpu().tolist()) == set(range(10, 20))
+
+
+def test_state_is_updated_in_place():
+    """CUDA graphs replay on fixed addresses: reset and step must write the state in place."""
+    env = LightsOutVecEnv(32, seed=0)
+    names = ("board", "goal", "episode_length", "episode_return")
+    env.reset()
+    addresses = {name: getattr(env, name).data_ptr() for name in names}
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(45):  # crosses several auto-resets
+        env.step(torch.randint(0, 20, (32,), generator=generator))
+    env.reset()
+    assert {name: getattr(env, name).data_ptr() for name in names} == addresses
