@@ -672,19 +672,6 @@ def bucket_sizes(recent_counts, batch, margin, min_shrink):
 # ---------------------------------------------------------------------------------------------------------
 # Wall-clock stress test: whole env steps (policy, act, env.step), CUDA-synchronised.
 # ---------------------------------------------------------------------------------------------------------
-def keep_env_state_in_place(env, step):
-    """Run step(); then copy every env tensor attribute that step rebound back into its old tensor, so the env
-    state lives at fixed addresses and a CUDA graph replay continues where the last one stopped."""
-    before = {name: value for name, value in vars(env).items() if torch.is_tensor(value)}
-    result = step()
-    for name, old in before.items():
-        new = getattr(env, name)
-        if new is not old:
-            old.copy_(new)
-            setattr(env, name, old)
-    return result
-
-
 def capture_graph(fn, generators, pool=None):
     """fn() recorded in a CUDA graph after a warm-up on a side stream (torch.cuda.graphs' rule)."""
     stream = torch.cuda.Stream()
@@ -755,7 +742,7 @@ class StressStepper:
 
     def env_step(self, decision, depth):
         action = self.network.act(decision, self.generator)
-        obs, _, _, _, info = keep_env_state_in_place(self.env, lambda: self.env.step(action))
+        obs, _, _, _, info = self.env.step(action)  # the env writes its state in place: graph-safe
         self.obs.copy_(obs["observation"])
         self.goal.copy_(obs["desired_goal"])
         count_depths(self.depth_counts, depth - 1)
