@@ -294,7 +294,8 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
         return self._obs(), {}
 
     def _obs(self):
-        return {"observation": hide_targets(self.grid), "desired_goal": self.goal.clone()}  # a copy: state changes in place
+        # The goal is returned as a copy: the state changes in place at the next step.
+        return {"observation": hide_targets(self.grid), "desired_goal": self.goal.clone()}
 
     def _parse_given_states(self, options):
         """Validate explicitly given states: grid of box/target codes, agent cell, carrying flag."""
