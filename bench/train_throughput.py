@@ -39,17 +39,26 @@ def setup(args, device):
     return env, network, target_network, optimizer, replay
 
 
-def measure_collection(args, device, episodes):
+def measure_collection(args, device, episodes, graph):
+    """One 100-step episode in every env at full depth, eager or replayed from a CUDA graph as the script does."""
     env, network, _, _, replay = setup(args, device)
     generator = torch.Generator(device).manual_seed(0)
-    gcdqn.run_episode(network, env, args.depth, generator)  # warm-up
+
+    def collect():
+        return gcdqn.run_episode(network, env, args.depth, generator)
+
+    if graph:
+        collect = gcdqn.capture_cuda_graph(collect, [generator, env.generator])  # warms up too
+    else:
+        collect()  # warm-up
     sync(device)
     start = time.perf_counter()
     for _ in range(episodes):
-        replay.add(*gcdqn.run_episode(network, env, args.depth, generator)[:3])
+        replay.add(*collect()[:3])
     sync(device)
     elapsed = time.perf_counter() - start
-    return {"what": "collection", "env_steps_per_second": round(episodes * args.num_envs * args.episode_length / elapsed)}
+    return {"what": "collection", "mode": "graph" if graph else "eager",
+            "env_steps_per_second": round(episodes * args.num_envs * args.episode_length / elapsed)}
 
 
 def measure_updates(args, device, mode, lam, num_updates, fill_episodes):
@@ -95,7 +104,8 @@ if __name__ == "__main__":
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "depth": args.depth, "hidden_dim": args.hidden_dim,
               "batch_size": args.batch_size, "num_envs": args.num_envs}
-    print(json.dumps({**measure_collection(args, device, cli.collect_episodes), **common}), flush=True)
+    for graph in [False, True] if device.type == "cuda" else [False]:
+        print(json.dumps({**measure_collection(args, device, cli.collect_episodes, graph), **common}), flush=True)
     for mode in modes:
         for lam in (0.0, 1.0):
             try:
