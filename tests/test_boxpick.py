@@ -337,6 +337,7 @@ def test_cuda_graph_replay_matches_eager_steps():
         graphed.step(actions)  # warm-up, as torch.cuda.graphs requires
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
+    graph.register_generator_state(graphed.generator)  # the auto-reset draws tasks from it in every step
     with torch.cuda.graph(graph):
         graph_obs, graph_reward, _, _, _ = graphed.step(actions)
     eager.reset()
