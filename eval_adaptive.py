@@ -20,6 +20,7 @@ at 0 (a KL of equal policies can round to -1e-9), so eps = 0 always runs to K. W
 pi_1 with pi_0 = decide(start(obs, goal)), the depth-0 decision.
 """
 
+import gc
 import importlib
 import json
 import math
@@ -673,7 +674,12 @@ def bucket_sizes(recent_counts, batch, margin, min_shrink):
 # Wall-clock stress test: whole env steps (policy, act, env.step), CUDA-synchronised.
 # ---------------------------------------------------------------------------------------------------------
 def capture_graph(fn, generators, pool=None):
-    """fn() recorded in a CUDA graph after a warm-up on a side stream (torch.cuda.graphs' rule)."""
+    """fn() recorded in a CUDA graph after a warm-up on a side stream (torch.cuda.graphs' rule).
+
+    The compact stepper captures new graphs mid-run, after earlier checkpoints' graphs and pinned buffers became
+    garbage. With the default global capture mode and the garbage collector free to run inside a capture, the fifth
+    checkpoint of a five-checkpoint stress test failed its capture (cudaErrorStreamCaptureInvalidated) on an H200;
+    collecting first, pausing the collector and a thread-local capture mode each avoided it, so both are used."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -683,8 +689,13 @@ def capture_graph(fn, generators, pool=None):
     graph = torch.cuda.CUDAGraph()
     for generator in generators:
         graph.register_generator_state(generator)
-    with torch.cuda.graph(graph, pool=pool):
-        fn()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            fn()
+    finally:
+        gc.enable()
     return graph
 
 
