@@ -689,13 +689,15 @@ def capture_graph(fn, generators, pool=None):
     graph = torch.cuda.CUDAGraph()
     for generator in generators:
         graph.register_generator_state(generator)
+    collector_was_on = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             fn()
     finally:
-        gc.enable()
+        if collector_was_on:
+            gc.enable()
     return graph
 
 
