@@ -153,8 +153,8 @@ def test_teacher_target_and_inter_depth_bellman_loss():
     torch.testing.assert_close(terms["bellman"], bellman)
     torch.testing.assert_close(terms["loss"], terms["td"] + terms["depth_kl"] + 0.1 * bellman + terms["alpha"])
     # Its gradient reaches depths 2..K-1 only, and never the teacher.
-    q = q.clone().requires_grad_(True)
-    gcdqn.bellman_refinement_loss(q, batch["action"], q_next, batch["reward"], GAMMA).backward()
+    q = gcdqn.taken_action(q, batch["action"]).requires_grad_(True)  # (K, E, B)
+    gcdqn.bellman_refinement_loss(q, q_next, batch["reward"], GAMMA).backward()
     assert q.grad[0].abs().sum() == 0 and q.grad[-1].abs().sum() == 0
     assert all(q.grad[k].abs().sum() > 0 for k in range(1, DEPTH - 1))
 
@@ -375,3 +375,51 @@ def test_sweep_file_parses_and_names_real_flags(path):
         args = tyro.cli(script.Args, args=fixed + [f"--{name}={value}" for name, value in point.items()])
         assert {name: getattr(args, name) for name in point} == point
         script.check_args(args)
+
+
+# ----- the lambda = 0 update: gradient at the taken action only -----
+
+@pytest.mark.parametrize("overrides", [dict(), dict(ablation="anyk-td"), dict(backbone="lstm"),
+                                       dict(iru_variant="paper")])
+def test_taken_action_update_has_the_full_updates_loss_and_gradient_at_lambda_0(overrides):
+    """With lambda_depth = 0 the update runs the online critic with gradient at the taken action alone (the
+    reference's dqn_interp.py); every loss term and every parameter's gradient must equal the 6-action pass's."""
+    args, network, target_network, batch = loss_setup(**overrides)
+    gradients = {}
+    for all_actions in (True, False):
+        network.zero_grad()
+        weights = torch.tensor(gcdqn.td_depth_weights(args.ablation, args.depth))
+        terms = gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(0.0), weights,
+                                      all_action_gradients=all_actions)
+        terms["loss"].backward()
+        gradients[all_actions] = ({k: v.detach() for k, v in terms.items()},
+                                  {n: p.grad.clone() for n, p in network.named_parameters()})
+    (full_terms, full_grads), (fast_terms, fast_grads) = gradients[True], gradients[False]
+    for name in full_terms:
+        torch.testing.assert_close(fast_terms[name], full_terms[name], rtol=1e-5, atol=1e-6)
+    assert any(g.abs().sum() > 0 for g in full_grads.values())
+    for name in full_grads:
+        torch.testing.assert_close(fast_grads[name], full_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_taken_action_pass_differs_from_the_full_pass_once_the_kl_counts():
+    """The shortcut is only valid at lambda_depth = 0: with lambda > 0 its gradient would miss the KL's, so the
+    two must differ (this guards against the training loop picking it for a FlexLoop phase)."""
+    args, network, target_network, batch = loss_setup()
+    weights = torch.tensor(gcdqn.td_depth_weights("none", args.depth))
+    grads = []
+    for all_actions in (True, False):
+        network.zero_grad()
+        gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(1.0), weights,
+                              all_action_gradients=all_actions)["loss"].backward()
+        grads.append(network.gates.weight.grad.clone())
+    assert not torch.allclose(grads[0], grads[1])
+
+
+def test_q_at_one_action_and_at_depth_k_match_the_all_action_pass():
+    args, network, _, batch = loss_setup()
+    with torch.no_grad():
+        q = network.all_depths(batch["obs"], batch["goal"])
+        torch.testing.assert_close(network.all_depths(batch["obs"], batch["goal"], batch["action"])[..., 0],
+                                   gcdqn.taken_action(q, batch["action"]))
+        torch.testing.assert_close(network.final_depth(batch["obs"], batch["goal"]), q[-1])

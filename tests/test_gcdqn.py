@@ -362,3 +362,34 @@ def test_training_improves_success_on_a_small_task(tmp_path):
     network, _ = gcdqn.network_from_checkpoint(gcdqn.load_checkpoint(run_dir / "final.pt"))
     after = easy_task_success(network)
     assert after > before + 0.015 and after > 1.5 * before, (before, after)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("all_action_gradients", [False, True])
+def test_captured_update_draws_a_fresh_batch_at_every_replay(compiled, all_action_gradients):
+    """A CUDA graph replays recorded kernels: the replay's random draws must still be new at each replay, or
+    every update would train on one frozen batch. Three replays must sample different (env, episode, t, offset)."""
+    args = dataclasses.replace(gcdqn.Args(), num_envs=64, batch_size=32, hidden_dim=32, replay_episodes=4)
+    device = torch.device("cuda")
+    env = BoxPickVecEnv(args.num_envs, variant="Exact-4", device=device, seed=0, check_actions=False)
+    network, target_network = gcdqn.build_network(args, device), gcdqn.build_network(args, device)
+    target_network.load_state_dict(network.state_dict())
+    target_network.requires_grad_(False)
+    generator = torch.Generator(device).manual_seed(0)
+    replay = gcdqn.TrajectoryReplay(args.num_envs, args.replay_episodes, args.episode_length, device)
+    for _ in range(3):
+        replay.add(*gcdqn.run_episode(network, env, args.depth, generator)[:3])
+    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=True)
+    loss_sums = torch.zeros(len(gcdqn.LOSS_TERMS), device=device)
+    update = gcdqn.make_update(args, network, target_network, optimizer, replay, generator,
+                               torch.zeros((), device=device), loss_sums, all_action_gradients=all_action_gradients)
+    update = gcdqn.capture_cuda_graph(torch.compile(update) if compiled else update, [generator])
+    draws = []
+    for _ in range(3):
+        batch = update()
+        draws.append(torch.stack([batch[k].long() for k in ("env", "episode", "t", "offset")]).cpu())
+    for first, second in [(0, 1), (1, 2), (0, 2)]:
+        assert not torch.equal(draws[first], draws[second])
+        assert (draws[first][0] != draws[second][0]).float().mean() > 0.5  # most rows move to another env
+    assert torch.isfinite(loss_sums).all() and loss_sums[0] > 0
