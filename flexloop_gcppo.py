@@ -114,6 +114,10 @@ class Args:
     obs_norm_update: Literal["after-epochs", "before-epochs"] = "after-epochs"
     """when the running obs normaliser takes in a rollout: after its update epochs (ours: each update's first
     ratio is exactly 1), or before them and before the bootstrap values of GAE (the authors' code)"""
+    timeout_bootstrap: Literal["value", "zero"] = "value"
+    """a step truncated at max_episode_steps bootstraps from V(final obs) (ours; the value cannot see the clock),
+    or from 0, as at a success (the authors' code in effect: its auto-reset wrapper replaces the state's info with
+    the reset's, so the `truncation` flag its GAE reads is always 0 and a time-out counts as a termination)"""
     hard_reset_every: int = 0
     """every this many iterations, reset every env to a fresh task, cutting the episodes in flight; the obs
     normaliser is kept (0: never, ours; the authors' code: 3, from num_reset_steps = 50 over 152 iterations)"""
@@ -612,7 +616,10 @@ def prepare_targets(network, teacher, buffers, next_obs, args):
     the GAE returns, or V_teacher(s, g) at depth K when a teacher is given. Written into buffers."""
     flat = lambda name: buffers[name].flatten(0, 1)  # noqa: E731
     shape = buffers["values"].shape
-    final_values = network.full_depth(flat("final_obs"), flat("final_goal"))[1].view(shape)
+    if args.timeout_bootstrap == "value":
+        final_values = network.full_depth(flat("final_obs"), flat("final_goal"))[1].view(shape)
+    else:  # a time-out ends the episode as a success does: nothing to bootstrap from
+        final_values = torch.zeros_like(buffers["values"])
     next_value = network.full_depth(next_obs["observation"], next_obs["desired_goal"])[1]
     advantages, returns = compute_gae(buffers["rewards"], buffers["values"], buffers["terminated"],
                                       buffers["truncated"], final_values, next_value, args.gamma, args.gae_lambda)

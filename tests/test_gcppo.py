@@ -437,6 +437,38 @@ def test_obs_norm_update_before_or_after_epochs(spied_runs):
                 torch.testing.assert_close(update["obs_mean"], expected, atol=1e-5, rtol=0)
 
 
+def test_timeout_bootstrap_value_or_zero(tmp_path):
+    """value (ours): a truncated step bootstraps from V(final obs); zero: a time-out is a termination."""
+    gen = torch.Generator().manual_seed(3)
+    T, N = 6, 5
+    network = gcppo.IRUActorCritic(depth=2, hidden_dim=8)
+    buffers = gcppo.make_rollout_buffers(T, N, "cpu")
+    for name in ["obs", "goal", "final_obs", "final_goal"]:
+        buffers[name].copy_(torch.randint(0, 2, (T, N, 20), generator=gen).float())
+    buffers["values"].copy_(torch.randn(T, N, generator=gen))
+    buffers["rewards"].copy_(torch.randn(T, N, generator=gen))
+    buffers["truncated"][2, :3] = True
+    buffers["terminated"][4, 1] = True
+    next_obs = {"observation": torch.zeros(N, 20), "desired_goal": torch.ones(N, 20)}
+    next_value = network.full_depth(next_obs["observation"], next_obs["desired_goal"])[1]
+    final_values = network.full_depth(buffers["final_obs"].flatten(0, 1),
+                                      buffers["final_goal"].flatten(0, 1))[1].view(T, N)
+    advantages = {}
+    for choice in ["value", "zero"]:
+        gcppo.prepare_targets(network, None, buffers, next_obs, tiny_args(tmp_path, timeout_bootstrap=choice))
+        advantages[choice] = buffers["advantages"].clone()
+    ended = buffers["terminated"] | buffers["truncated"]
+    as_termination = gcppo.compute_gae(buffers["rewards"], buffers["values"], ended, torch.zeros_like(ended),
+                                       final_values, next_value, 0.99, 0.95)[0]
+    with_value = gcppo.compute_gae(buffers["rewards"], buffers["values"], buffers["terminated"], buffers["truncated"],
+                                   final_values, next_value, 0.99, 0.95)[0]
+    torch.testing.assert_close(advantages["zero"], as_termination)
+    torch.testing.assert_close(advantages["value"], with_value)
+    assert not torch.allclose(advantages["zero"][:3, :3], advantages["value"][:3, :3])  # the truncated envs differ
+    torch.testing.assert_close(advantages["zero"][:, 3:], advantages["value"][:, 3:])  # the others do not
+    assert gcppo.Args().timeout_bootstrap == "value"
+
+
 def test_reference_ppo_choices_smoke_run_and_cli(spied_runs):
     run_dir = spied_runs["reference"]["run_dir"]
     final = gcppo.load_checkpoint(run_dir / "final.pt")
