@@ -104,7 +104,23 @@ class Args:
     gae_lambda: float = 0.95
     """lambda of generalised advantage estimation"""
     norm_adv: bool = True
-    """normalise the advantages per minibatch"""
+    """normalise the advantages (where: --advantage-norm)"""
+    advantage_norm: Literal["minibatch", "rollout"] = "minibatch"
+    """with --norm-adv: per minibatch (CleanRL; ours) or once over the whole rollout before the epochs
+    (the authors' lightsout/ppo.py)"""
+    minibatch_layout: Literal["rows", "time-rows"] = "rows"
+    """rows: random (step, env) rows (CleanRL; ours); time-rows: whole time steps of all envs, num_steps /
+    num_minibatches steps per minibatch, reshuffled every epoch (the authors' code: 5 steps x 2048 envs)"""
+    obs_norm_update: Literal["after-epochs", "before-epochs"] = "after-epochs"
+    """when the running obs normaliser takes in a rollout: after its update epochs (ours: each update's first
+    ratio is exactly 1), or before them and before the bootstrap values of GAE (the authors' code)"""
+    timeout_bootstrap: Literal["value", "zero"] = "value"
+    """a step truncated at max_episode_steps bootstraps from V(final obs) (ours; the value cannot see the clock),
+    or from 0, as at a success (the authors' code in effect: its auto-reset wrapper replaces the state's info with
+    the reset's, so the `truncation` flag its GAE reads is always 0 and a time-out counts as a termination)"""
+    hard_reset_every: int = 0
+    """every this many iterations, reset every env to a fresh task, cutting the episodes in flight; the obs
+    normaliser is kept (0: never, ours; the authors' code: 3, from num_reset_steps = 50 over 152 iterations)"""
     clip_coef: float = 0.3
     """PPO's surrogate clipping coefficient (also clips the value change when clip_vloss)"""
     clip_vloss: bool = True
@@ -168,6 +184,11 @@ def check_args(args: Args):
         if steps < 0 or 0 < steps < batch_size:
             raise ValueError(f"--{name.replace('_', '-')} must be 0 or at least one rollout "
                              f"(num_envs x num_steps = {batch_size}), got {steps}")
+    if args.minibatch_layout == "time-rows" and args.num_steps % args.num_minibatches:
+        raise ValueError(f"--minibatch-layout time-rows needs --num-minibatches {args.num_minibatches} to divide "
+                         f"--num-steps {args.num_steps} (whole time steps per minibatch); pick a divisor")
+    if args.hard_reset_every < 0:
+        raise ValueError(f"--hard-reset-every must be 0 (never) or positive, got {args.hard_reset_every}")
     if args.pretrain_timesteps == 0 and args.total_timesteps == 0:
         raise ValueError("both --pretrain-timesteps and --total-timesteps are 0: nothing to train")
     if args.init_checkpoint is None and args.pretrain_timesteps == 0 and not args.resume:
@@ -398,6 +419,16 @@ def make_rollout_buffers(num_steps, num_envs, device):
                 truncated=steps(torch.bool), advantages=steps(), value_targets=steps())
 
 
+def epoch_order(layout, num_steps, num_envs, generator, device):
+    """One epoch's order of the flattened (T * N) rollout rows (row t * N + n is step t of env n); consecutive
+    slices of it are the minibatches. rows: a random permutation of all rows. time-rows: a random permutation
+    of the time steps, each step's N rows kept together, so a minibatch holds whole time steps of every env."""
+    if layout == "rows":
+        return torch.randperm(num_steps * num_envs, generator=generator, device=device)
+    steps = torch.randperm(num_steps, generator=generator, device=device)
+    return (steps[:, None] * num_envs + torch.arange(num_envs, device=device)).flatten()
+
+
 @torch.no_grad()
 def collect_rollout(network, env, obs, buffers, generator, episode_sums):
     """num_steps steps of every env with the depth-K policy, written into buffers. Continues from obs (the
@@ -566,7 +597,8 @@ def make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth
         logits, values = network.all_depths(flat["obs"][rows], flat["goal"][rows])  # (K, B, A), (K, B)
         policy_loss, value_loss, entropy, approx_kl, clipfrac = ppo_loss(
             logits[-1], values[-1], flat["actions"][rows], flat["logprobs"][rows], flat["values"][rows],
-            flat["advantages"][rows], flat["value_targets"][rows], args.clip_coef, args.clip_vloss, args.norm_adv)
+            flat["advantages"][rows], flat["value_targets"][rows], args.clip_coef, args.clip_vloss,
+            args.norm_adv and args.advantage_norm == "minibatch")
         depth_loss = flexloop_depth_loss(logits, args.depth_target)
         loss = policy_loss - args.ent_coef * entropy + args.vf_coef * value_loss + lambda_depth * depth_loss
         optimizer.zero_grad(set_to_none=False)
@@ -584,10 +616,15 @@ def prepare_targets(network, teacher, buffers, next_obs, args):
     the GAE returns, or V_teacher(s, g) at depth K when a teacher is given. Written into buffers."""
     flat = lambda name: buffers[name].flatten(0, 1)  # noqa: E731
     shape = buffers["values"].shape
-    final_values = network.full_depth(flat("final_obs"), flat("final_goal"))[1].view(shape)
+    if args.timeout_bootstrap == "value":
+        final_values = network.full_depth(flat("final_obs"), flat("final_goal"))[1].view(shape)
+    else:  # a time-out ends the episode as a success does: nothing to bootstrap from
+        final_values = torch.zeros_like(buffers["values"])
     next_value = network.full_depth(next_obs["observation"], next_obs["desired_goal"])[1]
     advantages, returns = compute_gae(buffers["rewards"], buffers["values"], buffers["terminated"],
                                       buffers["truncated"], final_values, next_value, args.gamma, args.gae_lambda)
+    if args.norm_adv and args.advantage_norm == "rollout":  # once here, so the minibatches see the same scale
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     buffers["advantages"].copy_(advantages)
     if teacher is None:
         buffers["value_targets"].copy_(returns)
@@ -719,6 +756,8 @@ def train(args: Args):
         network.train()
         obs = collect_rollout(network, env, obs, buffers, generators["actions"], episode_sums)
         global_step += batch_size
+        if args.obs_norm_update == "before-epochs":  # the authors' order: GAE and the epochs see this rollout's stats
+            network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
         use_teacher = phase == "flexloop" and args.teacher_value_targets
         prepare_targets(network, teacher if use_teacher else None, buffers, obs, args)
 
@@ -729,16 +768,19 @@ def train(args: Args):
             updates += CUDA_GRAPH_WARMUP  # the capture's warm-up runs real updates
             updates_since_log += CUDA_GRAPH_WARMUP
         for _ in range(args.update_epochs):
-            permutation = torch.randperm(batch_size, generator=generators["minibatch"], device=device)
+            permutation = epoch_order(args.minibatch_layout, args.num_steps, args.num_envs, generators["minibatch"],
+                                      device)
             for start in range(0, batch_size, minibatch_size):
                 minibatch_index.copy_(permutation[start:start + minibatch_size])
                 run_update()
         updates += args.update_epochs * args.num_minibatches
         updates_since_log += args.update_epochs * args.num_minibatches
-        # The normaliser moves between iterations only, so each update's first ratio is exactly 1.
-        network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
+        if args.obs_norm_update == "after-epochs":  # ours: the rollout's own ratios start at exactly 1
+            network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
         iteration += 1
         pbar.update(1)
+        if args.hard_reset_every and iteration % args.hard_reset_every == 0:
+            obs, _ = env.reset()  # fresh tasks for all envs; GAE above already bootstrapped from the old obs
 
         if iteration % args.log_every == 0 or iteration == total_iterations:
             losses = loss_sums / updates_since_log

@@ -315,6 +315,181 @@ def test_iru_pretrain_then_flexloop_uses_teacher_values(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The authors' PPO choices (issue 16): hard resets, rollout-wide advantage normalisation, time-row minibatches,
+# the normaliser updated before the epochs. One tiny run with our defaults and one with all four switched.
+# ---------------------------------------------------------------------------------------------------------
+SPY_ITERATIONS, SPY_ENVS, SPY_STEPS, SPY_MINIBATCHES, SPY_EPOCHS = 5, 8, 8, 4, 2
+REFERENCE_CHOICES = dict(hard_reset_every=2, advantage_norm="rollout", minibatch_layout="time-rows",
+                         obs_norm_update="before-epochs")
+
+
+def spied_run(tmp_path, **overrides):
+    """Train a few iterations and record what each rollout starts from and what each update sees."""
+    rollouts, updates, losses = [], [], []
+    collect, make_update, ppo_loss = gcppo.collect_rollout, gcppo.make_update, gcppo.ppo_loss
+
+    def spy_collect(network, env, obs, buffers, generator, episode_sums):
+        before = dict(lengths=env.episode_length.clone(), goal=env.goal.clone())
+        obs = collect(network, env, obs, buffers, generator, episode_sums)
+        rollouts.append({**before, "goal_after": env.goal.clone()})
+        return obs
+
+    def spy_make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums):
+        update = make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums)
+
+        def spy_update():
+            updates.append(dict(rows=minibatch_index.clone(), obs_count=network.obs_count.item(),
+                                obs_mean=network.obs_mean.clone(), advantages=buffers["advantages"].clone(),
+                                inputs=torch.cat([buffers["obs"], buffers["goal"]], -1).flatten(0, 1).clone()))
+            update()
+        return spy_update
+
+    def spy_ppo_loss(*loss_args, **kwargs):
+        losses.append(dict(advantages=loss_args[5].clone(), norm_adv=loss_args[9]))
+        return ppo_loss(*loss_args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gcppo, "collect_rollout", spy_collect)
+        patch.setattr(gcppo, "make_update", spy_make_update)
+        patch.setattr(gcppo, "ppo_loss", spy_ppo_loss)
+        run_dir = gcppo.train(tiny_args(tmp_path, num_envs=SPY_ENVS, num_steps=SPY_STEPS,
+                                        num_minibatches=SPY_MINIBATCHES, update_epochs=SPY_EPOCHS,
+                                        pretrain_timesteps=SPY_ITERATIONS * SPY_ENVS * SPY_STEPS, total_timesteps=0,
+                                        eval_every=100, **overrides))
+    assert len(rollouts) == SPY_ITERATIONS
+    assert len(updates) == len(losses) == SPY_ITERATIONS * SPY_EPOCHS * SPY_MINIBATCHES
+    return dict(run_dir=run_dir, rollouts=rollouts, updates=updates, losses=losses)
+
+
+@pytest.fixture(scope="module")
+def spied_runs(tmp_path_factory):
+    """{"ours": the defaults, "reference": all four of the authors' choices}, each with its spy records."""
+    return {"ours": spied_run(tmp_path_factory.mktemp("ours")),
+            "reference": spied_run(tmp_path_factory.mktemp("reference"), **REFERENCE_CHOICES)}
+
+
+def per_iteration(records):
+    per = SPY_EPOCHS * SPY_MINIBATCHES
+    return [records[i * per:(i + 1) * per] for i in range(SPY_ITERATIONS)]
+
+
+def test_hard_reset_every_n_iterations(spied_runs):
+    """A hard reset (after iterations 2 and 4 here) starts every env on a fresh task at step 0; otherwise
+    the next rollout continues the episodes in flight. The first rollout follows the initial reset."""
+    for name, reset_before in [("ours", {0}), ("reference", {0, 2, 4})]:
+        rollouts = spied_runs[name]["rollouts"]
+        starts_fresh = {i for i, r in enumerate(rollouts) if torch.all(r["lengths"] == 0)}
+        assert starts_fresh == reset_before, name
+        for i in reset_before - {0}:  # every goal is new, not only those of the episodes that ended
+            assert torch.all((rollouts[i]["goal"] != rollouts[i - 1]["goal_after"]).any(-1)), name
+    assert gcppo.Args().hard_reset_every == 0  # off by default: our behaviour
+
+
+def test_advantage_norm_rollout_vs_minibatch(spied_runs):
+    """rollout: the stored advantages of the whole rollout have mean 0 and std 1 and the loss does not
+    renormalise its minibatch (whose own mean need not be 0); minibatch: raw advantages, normalised in the loss."""
+    reference = spied_runs["reference"]
+    for update in reference["updates"]:
+        assert update["advantages"].mean().item() == pytest.approx(0.0, abs=1e-5)
+        assert update["advantages"].std().item() == pytest.approx(1.0, abs=1e-4)
+    assert not any(loss["norm_adv"] for loss in reference["losses"])
+    assert max(abs(loss["advantages"].mean().item()) for loss in reference["losses"]) > 0.05
+
+    ours = spied_runs["ours"]
+    assert all(loss["norm_adv"] for loss in ours["losses"])
+    raw = ours["updates"][0]["advantages"]
+    assert abs(raw.mean().item()) > 1e-3 or abs(raw.std().item() - 1) > 1e-3
+
+
+def test_minibatch_layout_time_rows(spied_runs):
+    """time-rows: each minibatch is num_steps / num_minibatches whole time steps of every env, each epoch covers
+    every row once, and the steps are reshuffled from epoch to epoch; rows: minibatches cut across time steps."""
+    steps_per_minibatch = SPY_STEPS // SPY_MINIBATCHES
+    epochs = []
+    for update_records in per_iteration(spied_runs["reference"]["updates"]):
+        for epoch in range(SPY_EPOCHS):
+            minibatches = [u["rows"] for u in update_records[epoch * SPY_MINIBATCHES:(epoch + 1) * SPY_MINIBATCHES]]
+            for rows in minibatches:
+                steps = (rows // SPY_ENVS).unique()
+                assert len(steps) == steps_per_minibatch
+                whole = (steps[:, None] * SPY_ENVS + torch.arange(SPY_ENVS)).flatten()
+                assert torch.equal(rows.sort().values, whole.sort().values)
+            assert torch.equal(torch.cat(minibatches).sort().values, torch.arange(SPY_ENVS * SPY_STEPS))
+            epochs.append(torch.cat(minibatches))
+    assert len({tuple(order.tolist()) for order in epochs}) > 1  # reshuffled
+
+    ours = [u["rows"] for u in spied_runs["ours"]["updates"]]
+    assert any(len((rows // SPY_ENVS).unique()) > steps_per_minibatch for rows in ours)
+
+
+def test_obs_norm_update_before_or_after_epochs(spied_runs):
+    """before-epochs: every update of iteration i already sees rollouts 0..i in the normaliser; after-epochs
+    (ours): rollouts 0..i-1 only, so the first iteration's updates see the initial statistics (mean 0)."""
+    batch = SPY_ENVS * SPY_STEPS
+    for name, seen_extra in [("ours", 0), ("reference", 1)]:
+        rollout_means = []
+        for i, update_records in enumerate(per_iteration(spied_runs[name]["updates"])):
+            rollout_means.append(update_records[0]["inputs"].mean(0))
+            seen = rollout_means[:i + seen_extra]
+            expected = torch.stack(seen).mean(0) if seen else torch.zeros(40)
+            for update in update_records:  # fixed through the epochs
+                assert update["obs_count"] == pytest.approx(1e-4 + len(seen) * batch), (name, i)
+                torch.testing.assert_close(update["obs_mean"], expected, atol=1e-5, rtol=0)
+
+
+def test_timeout_bootstrap_value_or_zero(tmp_path):
+    """value (ours): a truncated step bootstraps from V(final obs); zero: a time-out is a termination."""
+    gen = torch.Generator().manual_seed(3)
+    T, N = 6, 5
+    network = gcppo.IRUActorCritic(depth=2, hidden_dim=8)
+    buffers = gcppo.make_rollout_buffers(T, N, "cpu")
+    for name in ["obs", "goal", "final_obs", "final_goal"]:
+        buffers[name].copy_(torch.randint(0, 2, (T, N, 20), generator=gen).float())
+    buffers["values"].copy_(torch.randn(T, N, generator=gen))
+    buffers["rewards"].copy_(torch.randn(T, N, generator=gen))
+    buffers["truncated"][2, :3] = True
+    buffers["terminated"][4, 1] = True
+    next_obs = {"observation": torch.zeros(N, 20), "desired_goal": torch.ones(N, 20)}
+    next_value = network.full_depth(next_obs["observation"], next_obs["desired_goal"])[1]
+    final_values = network.full_depth(buffers["final_obs"].flatten(0, 1),
+                                      buffers["final_goal"].flatten(0, 1))[1].view(T, N)
+    advantages = {}
+    for choice in ["value", "zero"]:
+        gcppo.prepare_targets(network, None, buffers, next_obs, tiny_args(tmp_path, timeout_bootstrap=choice))
+        advantages[choice] = buffers["advantages"].clone()
+    ended = buffers["terminated"] | buffers["truncated"]
+    as_termination = gcppo.compute_gae(buffers["rewards"], buffers["values"], ended, torch.zeros_like(ended),
+                                       final_values, next_value, 0.99, 0.95)[0]
+    with_value = gcppo.compute_gae(buffers["rewards"], buffers["values"], buffers["terminated"], buffers["truncated"],
+                                   final_values, next_value, 0.99, 0.95)[0]
+    torch.testing.assert_close(advantages["zero"], as_termination)
+    torch.testing.assert_close(advantages["value"], with_value)
+    assert not torch.allclose(advantages["zero"][:3, :3], advantages["value"][:3, :3])  # the truncated envs differ
+    torch.testing.assert_close(advantages["zero"][:, 3:], advantages["value"][:, 3:])  # the others do not
+    assert gcppo.Args().timeout_bootstrap == "value"
+
+
+def test_reference_ppo_choices_smoke_run_and_cli(spied_runs):
+    run_dir = spied_runs["reference"]["run_dir"]
+    final = gcppo.load_checkpoint(run_dir / "final.pt")
+    assert final["interval"] == SPY_ITERATIONS
+    assert {k: final["args"][k] for k in REFERENCE_CHOICES} == REFERENCE_CHOICES  # a resume keeps them
+    records = [r for r in read_metrics(run_dir) if "losses/policy_loss" in r]
+    assert len(records) == SPY_ITERATIONS
+    assert all(math.isfinite(r[k]) for r in records for k in ["losses/policy_loss", "losses/value_loss"])
+    assert "eval/train/success_depth_3" in read_metrics(run_dir)[-1]
+
+    flags = ["--hard-reset-every", "3", "--advantage-norm", "rollout", "--minibatch-layout", "time-rows",
+             "--obs-norm-update", "before-epochs"]
+    parsed = gcppo.tyro.cli(gcppo.Args, args=flags)
+    assert (parsed.hard_reset_every, parsed.advantage_norm, parsed.minibatch_layout, parsed.obs_norm_update) == \
+        (3, "rollout", "time-rows", "before-epochs")
+    defaults = gcppo.Args()
+    assert (defaults.hard_reset_every, defaults.advantage_norm, defaults.minibatch_layout,
+            defaults.obs_norm_update) == (0, "minibatch", "rows", "after-epochs")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, message", [
@@ -328,6 +503,8 @@ def test_iru_pretrain_then_flexloop_uses_teacher_values(tmp_path):
     (dict(train_max_presses=10), "--train-max-presses"),
     (dict(env_id="BoxPick-Exact-4-v0"), "GC-PPO runs on LightsOut-4x5-v0"),
     (dict(init_checkpoint="a.pt", resume="b.pt"), "not both"),
+    (dict(minibatch_layout="time-rows", num_minibatches=16), "time-rows needs --num-minibatches 16 to divide"),
+    (dict(hard_reset_every=-1), "--hard-reset-every must be 0"),
 ])
 def test_bad_flags(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
