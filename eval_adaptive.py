@@ -921,10 +921,11 @@ def success_limits(ax, values):
 
 def log_ticks(low, high):
     """Tick values for a log axis over [low, high] with at least 3 labelled ticks where possible: decades, then
-    1-2-5, then every digit; when even that leaves fewer than 2 inside, the limits widen to the neighbouring ticks.
-    Returns (ticks, low, high)."""
+    1-2-5, then every digit, then finer steps; when even that leaves fewer than 3 inside, the limits widen to the
+    neighbouring ticks. Returns (ticks, low, high)."""
     lo_exp, hi_exp = math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1
-    for subs in ((1,), (1, 2, 5), (1, 2, 3, 4, 5, 6, 7, 8, 9)):
+    fine = (1, 1.2, 1.4, 1.6, 1.8, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 9)
+    for subs in ((1,), (1, 2, 5), (1, 2, 3, 4, 5, 6, 7, 8, 9), fine):
         ticks = [s * 10.0 ** e for e in range(lo_exp, hi_exp + 1) for s in subs]
         inside = [t for t in ticks if low * (1 - 1e-9) <= t <= high * (1 + 1e-9)]
         if len(inside) >= 3:
@@ -1006,6 +1007,9 @@ LABEL_SPOTS = [(4, 3, "left", "bottom"), (4, -3, "left", "top"), (-4, 3, "right"
                (-12, -12, "right", "top"), (0, 20, "center", "bottom"), (0, -20, "center", "top")]
 
 
+SHARED_LABEL_COLOR = "0.35"
+
+
 def line_boxes(ax, spacing=6):
     """Small pixel boxes along every line of the axes: places where a label would cross a curve."""
     from matplotlib.transforms import Bbox
@@ -1036,6 +1040,15 @@ def place_eps_labels(ax, points, renderer, taken):
                 break
         else:
             clusters.append([pixel, x, y, [eps], color, radius])
+    merged = []  # checkpoints whose points coincide with the same eps values share one label, in grey
+    for cluster in clusters:
+        twin = next((m for m in merged if sorted(m[3]) == sorted(cluster[3])
+                     and np.hypot(*(m[0] - cluster[0])) < 5), None)
+        if twin is None:
+            merged.append(cluster)
+        else:
+            twin[4], twin[5] = SHARED_LABEL_COLOR, max(twin[5], cluster[5])
+    clusters = merged
     frame = ax.get_window_extent(renderer)
     markers = [Bbox.from_bounds(p[0] - r, p[1] - r, 2 * r, 2 * r) for p, *_, r in clusters]
     curves = line_boxes(ax)
@@ -1081,8 +1094,8 @@ def figure_pareto(evaluations, plt):
         for i, ev in enumerate(evaluations):
             style, wider = curve_style(i, count), count - 1 - i
             rows = ev["adaptive"][group]
-            ax.plot([r["mean_depth"] for r in rows], [r["success"] for r in rows], marker="o",
-                    label=f"{ev['label']}: adaptive, over eps", **style)
+            ax.plot([r["mean_depth"] for r in rows], [r["success"] for r in rows], marker="o", zorder=3,
+                    label=f"{ev['label']}: adaptive, over eps", **style)  # above the fixed-depth points
             radius = style["markersize"] * DPI / 72 / 2
             points += [(r["mean_depth"], r["success"], r["eps"], style["color"], radius) for r in rows]
             fixed = ev["elasticity"][group]
@@ -1100,9 +1113,10 @@ def figure_pareto(evaluations, plt):
     fig.set_layout_engine("none")
     renderer = fig.canvas.get_renderer()
     left_out = sum(place_eps_labels(ax, points, renderer, []) for ax, points in labels.items())
-    title.set_text(title.get_text().strip() + (f"\n({left_out} eps labels left out to avoid overlaps; "
-                                                "every point is in results.json)"
-                                                if left_out else ""))
+    shared = any(text.get_color() == SHARED_LABEL_COLOR for ax in labels for text in ax.texts)
+    notes = (["grey: the same eps on several checkpoints"] if shared else []) + \
+        ([f"{left_out} eps labels left out to avoid overlaps; every point is in results.json"] if left_out else [])
+    title.set_text(title.get_text().strip() + (f"\n({'; '.join(notes)})" if notes else ""))
     return fig
 
 
@@ -1329,8 +1343,8 @@ def summary_tables(evaluations, stress):
                 rows.append([ev["label"] if i == 0 else "", f"{cal['eps']:g}" if i == 0 else "", group,
                              f"{row['success']:.3f}", f"{row['full_depth_success']:.3f}", f"{row['mean_depth']:.2f}",
                              f"{row['ideal_speedup']:.2f}x"])
-        lines += text_table(["checkpoint", "eps*", "split", "success", "full depth", "mean depth", "ideal speed-up"],
-                            rows)
+        lines += text_table(["checkpoint", "eps*", "split" if "train" in groups else "task", "success", "full depth",
+                             "mean depth", "ideal speed-up"], rows)
         for ev in evaluations:
             cal = ev["calibration"]
             notes = [f"WARNING {ev['label']}: {cal['warning']}"] if cal.get("warning") else []
