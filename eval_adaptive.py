@@ -25,6 +25,7 @@ import importlib
 import json
 import math
 import os
+import textwrap
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -548,6 +549,11 @@ def evaluate_checkpoint(adapter, network, args, pbar):
     calibration["calibrated_on"] = calibrate_on
     calibration["results"] = {g: {**rows[index], "full_depth_success": out["elasticity"][g][-1]}
                               for g, rows in out["adaptive"].items()}
+    episodes = (getattr(adapter, "episodes", None) or adapter.num_envs) * (len(adapter.groups)
+                                                                           if calibrate_on == "mean" else 1)
+    calibration["warning"] = calibration_warning(calibration)
+    calibration["meaningful"] = calibration["warning"] is None
+    calibration["note"] = calibration_noise_note(calibration, episodes)
     out["calibration"] = calibration
 
     out["analysis"] = {"direction": "delta_k = divergence(pi_k, pi_{k-1}); endpoint = divergence(pi_K, pi_k); "
@@ -872,84 +878,301 @@ def run_stress(network, args, eps, device, label):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Plots (matplotlib, Agg) and the printed summary
+# Plots (matplotlib, Agg). Each figure_* builds one figure and returns it; make_plots saves and closes them.
+# Axes that are pictures (BoxPick grids) or messages carry the label "picture" or "message"; every other axes has
+# axis labels and labelled ticks (tests/test_eval_adaptive.py checks this for every figure).
 # ---------------------------------------------------------------------------------------------------------
+DPI = 120
+MAX_COLUMNS = 3  # panels per row before a figure wraps into a grid
+
+
 def safe_name(text):
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
 
 
-def plot_elasticity(evaluations, path, plt):
+def panel_grid(plt, count, width, height, columns=MAX_COLUMNS):
+    """A figure of `count` panels, at most `columns` a row (the OGBench tasks wrap into a grid); unused panels of
+    the last row are hidden. Returns the figure and the flat list of the `count` axes."""
+    columns = max(1, min(columns, count))
+    rows = math.ceil(count / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows + 0.6), squeeze=False,
+                             layout="constrained", dpi=DPI)
+    for ax in axes.flat[count:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:count])
+
+
+def integer_depth_axis(axis, depth):
+    """Ticks at whole depths only: 1..K when K is small, else integers chosen by matplotlib."""
+    from matplotlib.ticker import FixedLocator, MaxNLocator
+    if depth <= 12:
+        axis.set_major_locator(FixedLocator(range(1, depth + 1)))
+    else:
+        axis.set_major_locator(MaxNLocator(integer=True))
+    axis.set_minor_locator(FixedLocator([]))
+
+
+def success_limits(ax, values):
+    """y from 0 to a little above the largest success, so that small successes (unseen tasks) stay readable."""
+    top = max([0.0] + [v for v in values if math.isfinite(v)])
+    top = min(1.05, max(0.1, top * 1.15))
+    ax.set_ylim(-0.03 * top, top)
+
+
+def log_ticks(low, high):
+    """Tick values for a log axis over [low, high] with at least 3 labelled ticks where possible: decades, then
+    1-2-5, then every digit, then finer steps; when even that leaves fewer than 3 inside, the limits widen to the
+    neighbouring ticks. Returns (ticks, low, high)."""
+    lo_exp, hi_exp = math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1
+    fine = (1, 1.2, 1.4, 1.6, 1.8, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 9)
+    for subs in ((1,), (1, 2, 5), (1, 2, 3, 4, 5, 6, 7, 8, 9), fine):
+        ticks = [s * 10.0 ** e for e in range(lo_exp, hi_exp + 1) for s in subs]
+        inside = [t for t in ticks if low * (1 - 1e-9) <= t <= high * (1 + 1e-9)]
+        if len(inside) >= 3:
+            step = math.ceil(len(inside) / 8)  # at most about 8 labels
+            return inside[::step], low, high
+    below = max(t for t in ticks if t <= low)
+    above = min(t for t in ticks if t >= high)
+    return [t for t in ticks if below <= t <= above], below, above
+
+
+def readable_log_axis(ax, which, values):
+    """A log axis whose ticks are labelled plainly (0.002, 0.005, 0.01) however few decades the data spans."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+    low, high = min(values), max(values)
+    pad = (high / low) ** 0.08 if high > low else 1.5
+    ticks, low, high = log_ticks(low / pad, high * pad)
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
+    (ax.set_xlim if which == "x" else ax.set_ylim)(low, high)
+    axis.set_major_locator(FixedLocator(ticks))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    axis.set_minor_locator(NullLocator())
+
+
+def message_panel(ax, text):
+    """An axes that says, in words, why there is nothing to plot."""
+    ax.set_label("message")
+    ax.set_axis_off()
+    ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=9, wrap=True, transform=ax.transAxes)
+
+
+def bottom_legend(fig, handles, labels, columns=4):
+    """One legend for the whole figure, below the panels, so that it never covers data."""
+    if handles:
+        fig.legend(handles, labels, loc="outside lower center", ncols=min(columns, len(labels)), fontsize=8,
+                   frameon=False)
+
+
+def curve_style(i, count):
+    """Checkpoint i of count: earlier curves are drawn wider, with bigger markers edged in white, so that a curve
+    that coincides with a later one still shows around it."""
+    wider = count - 1 - i
+    return dict(color=f"C{i}", linewidth=min(1.5 + 0.7 * wider, 3.0), markersize=min(5 + 1.5 * wider, 9.0),
+                markeredgecolor="white", markeredgewidth=0.6)
+
+
+def group_title(group):
+    return {"train": "train tasks", "unseen": "unseen tasks", "mean": "mean over tasks"}.get(group, group)
+
+
+def figure_elasticity(evaluations, plt):
     groups = list(evaluations[0]["elasticity"])
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3.2), squeeze=False)
-    for ax, group in zip(axes[0], groups):
-        for ev in evaluations:
-            values = ev["elasticity"][group]
-            ax.plot(range(1, len(values) + 1), values, marker="o", label=ev["label"])
-        ax.set(title=f"{group}", xlabel="depth k", ylabel="success", ylim=(-0.03, 1.03))
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"{evaluations[0]['env_id']}: success at each fixed depth")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_pareto(evaluations, path, plt):
-    groups = list(evaluations[0]["adaptive"])
-    fig, axes = plt.subplots(1, len(groups), figsize=(3.8 * len(groups), 3.4), squeeze=False)
-    for ax, group in zip(axes[0], groups):
+    depth = max(ev["depth"] for ev in evaluations)
+    fig, axes = panel_grid(plt, len(groups), 3.6, 2.9)
+    for ax, group in zip(axes, groups):
         for i, ev in enumerate(evaluations):
-            color = f"C{i}"
-            rows = ev["adaptive"][group]
-            ax.plot([r["mean_depth"] for r in rows], [r["success"] for r in rows], marker="o", color=color,
-                    label=f"{ev['label']} adaptive")
-            for r in rows:
-                ax.annotate(f"{r['eps']:g}", (r["mean_depth"], r["success"]), fontsize=6, color=color,
-                            xytext=(2, 2), textcoords="offset points")
-            fixed = ev["elasticity"][group]
-            ax.plot(range(1, len(fixed) + 1), fixed, marker="s", linestyle=":", color=color, alpha=0.6,
-                    label=f"{ev['label']} fixed depth")
-        ax.set(title=group, xlabel="mean depth", ylabel="success", ylim=(-0.03, 1.03))
+            values = ev["elasticity"][group]
+            ax.plot(range(1, len(values) + 1), values, marker="o", label=ev["label"],
+                    **curve_style(i, len(evaluations)))
+        ax.set(title=group_title(group), xlabel="depth k", ylabel="success", xlim=(0.7, depth + 0.3))
+        integer_depth_axis(ax.xaxis, depth)
+        success_limits(ax, [v for ev in evaluations for v in ev["elasticity"][group]])
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle("success vs mean depth over eps (labels: eps)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    bottom_legend(fig, *axes[0].get_legend_handles_labels())
+    fig.suptitle(f"{evaluations[0]['env_id']}: success at each fixed depth")
+    return fig
 
 
-def plot_analysis(evaluations, path, plt):
-    fig, axes = plt.subplots(1, len(evaluations), figsize=(4 * len(evaluations), 3.4), squeeze=False)
-    for ax, ev in zip(axes[0], evaluations):
-        for i, (group, rows) in enumerate(ev["analysis"]["bins"].items()):
-            x = [max(r["delta_mean"], 1e-9) for r in rows]
+def eps_text(values):
+    """'0.01', or '0.005-0.02' for several eps at one point."""
+    values = sorted(values)
+    return f"{values[0]:g}" if len(values) == 1 else f"{values[0]:g}-{values[-1]:g}"
+
+
+# Where an eps label may go, relative to its point (offset in points, alignment); the far ones get a leader line.
+LABEL_SPOTS = [(4, 3, "left", "bottom"), (4, -3, "left", "top"), (-4, 3, "right", "bottom"),
+               (-4, -3, "right", "top"), (0, 7, "center", "bottom"), (0, -7, "center", "top"),
+               (12, 12, "left", "bottom"), (12, -12, "left", "top"), (-12, 12, "right", "bottom"),
+               (-12, -12, "right", "top"), (0, 20, "center", "bottom"), (0, -20, "center", "top")]
+
+
+SHARED_LABEL_COLOR = "0.35"
+
+
+def line_boxes(ax, spacing=6):
+    """Small pixel boxes along every line of the axes: places where a label would cross a curve."""
+    from matplotlib.transforms import Bbox
+    boxes = []
+    for line in ax.lines:
+        pixels = ax.transData.transform(np.column_stack(line.get_data()))
+        for a, b in zip(pixels[:-1], pixels[1:]):
+            steps = max(1, int(np.hypot(*(b - a)) / spacing))
+            for t in np.linspace(0, 1, steps + 1):
+                x, y = a + t * (b - a)
+                boxes.append(Bbox.from_bounds(x - 1.5, y - 1.5, 3, 3))
+    return boxes
+
+
+def place_eps_labels(ax, points, renderer, taken):
+    """Label each (x, y, eps, colour, marker radius in pixels) point of the Pareto curves where its text overlaps
+    no other label and no marker and stays inside the axes, preferring spots that cross no curve; a label that
+    fits nowhere is left out. Points of one curve within a few pixels of each other share one label
+    ('0.005-0.02'). Returns the number of eps values left unlabelled."""
+    from matplotlib.transforms import Bbox
+    to_pixels = ax.transData.transform
+    clusters = []  # [pixel position, x, y, eps list, colour, marker radius in pixels]
+    for x, y, eps, color, radius in points:
+        pixel = to_pixels((x, y))
+        for cluster in clusters:
+            if cluster[4] == color and np.hypot(*(cluster[0] - pixel)) < 5:
+                cluster[3].append(eps)
+                break
+        else:
+            clusters.append([pixel, x, y, [eps], color, radius])
+    merged = []  # checkpoints whose points coincide with the same eps values share one label, in grey
+    for cluster in clusters:
+        twin = next((m for m in merged if sorted(m[3]) == sorted(cluster[3])
+                     and np.hypot(*(m[0] - cluster[0])) < 5), None)
+        if twin is None:
+            merged.append(cluster)
+        else:
+            twin[4], twin[5] = SHARED_LABEL_COLOR, max(twin[5], cluster[5])
+    clusters = merged
+    frame = ax.get_window_extent(renderer)
+    markers = [Bbox.from_bounds(p[0] - r, p[1] - r, 2 * r, 2 * r) for p, *_, r in clusters]
+    curves = line_boxes(ax)
+    left_out = 0
+    for i, (pixel, x, y, values, color, radius) in enumerate(clusters):
+        others = markers[:i] + markers[i + 1:]
+        chosen = None
+        for avoid_curves in (True, False):
+            for dx, dy, ha, va in LABEL_SPOTS:
+                far = abs(dx) > 6 or abs(dy) > 12
+                grow = radius * 72 / ax.figure.dpi - 3  # bigger markers push the near spots out
+                dx, dy = dx + np.sign(dx) * max(grow, 0), dy + np.sign(dy) * max(grow, 0)
+                text = ax.annotate(eps_text(values), (x, y), xytext=(dx, dy), textcoords="offset points", ha=ha,
+                                   va=va, fontsize=7, color=color, annotation_clip=False,
+                                   bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none",
+                                             alpha=0.75),
+                                   arrowprops=dict(arrowstyle="-", color=color, lw=0.5, alpha=0.6) if far else None)
+                text.set_in_layout(False)
+                box = text.get_window_extent(renderer).padded(2)  # a gap between neighbouring labels
+                fits = frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1) and \
+                    not any(box.overlaps(b) for b in taken + others) and \
+                    not (avoid_curves and any(box.overlaps(b) for b in curves))
+                if fits:
+                    chosen = box
+                    break
+                text.remove()
+            if chosen is not None:
+                break
+        if chosen is None:
+            left_out += len(values)
+        else:
+            taken.append(chosen)
+    return left_out
+
+
+def figure_pareto(evaluations, plt):
+    groups = list(evaluations[0]["adaptive"])
+    depth, count = max(ev["depth"] for ev in evaluations), len(evaluations)
+    fig, axes = panel_grid(plt, len(groups), 4.2, 3.3)
+    labels = {}
+    for ax, group in zip(axes, groups):
+        points = []
+        for i, ev in enumerate(evaluations):
+            style, wider = curve_style(i, count), count - 1 - i
+            rows = ev["adaptive"][group]
+            ax.plot([r["mean_depth"] for r in rows], [r["success"] for r in rows], marker="o", zorder=3,
+                    label=f"{ev['label']}: adaptive, over eps", **style)  # above the fixed-depth points
+            radius = style["markersize"] * DPI / 72 / 2
+            points += [(r["mean_depth"], r["success"], r["eps"], style["color"], radius) for r in rows]
+            fixed = ev["elasticity"][group]
+            ax.plot(range(1, len(fixed) + 1), fixed, marker="s", linestyle=":", alpha=0.6,
+                    label=f"{ev['label']}: fixed depth k",
+                    **{**style, "markersize": min(4 + 1.2 * wider, 7.0), "linewidth": min(1.2 + 0.5 * wider, 2.2)})
+        ax.set(title=group_title(group), xlabel="mean depth", ylabel="success", xlim=(0.7, depth + 0.3))
+        integer_depth_axis(ax.xaxis, depth)
+        success_limits(ax, [p[1] for p in points] + [v for ev in evaluations for v in ev["elasticity"][group]])
+        ax.grid(alpha=0.3)
+        labels[ax] = points
+    bottom_legend(fig, *axes[0].get_legend_handles_labels(), columns=count)  # a column per checkpoint
+    title = fig.suptitle("success against mean depth (numbers at the points: eps)\n ")  # line 2: see below
+    fig.canvas.draw()  # lay the panels out once, then freeze it: labels are placed in pixels
+    fig.set_layout_engine("none")
+    renderer = fig.canvas.get_renderer()
+    left_out = sum(place_eps_labels(ax, points, renderer, []) for ax, points in labels.items())
+    shared = any(text.get_color() == SHARED_LABEL_COLOR for ax in labels for text in ax.texts)
+    notes = (["grey: the same eps on several checkpoints"] if shared else []) + \
+        ([f"{left_out} eps labels left out to avoid overlaps; every point is in results.json"] if left_out else [])
+    title.set_text(title.get_text().strip() + (f"\n({'; '.join(notes)})" if notes else ""))
+    return fig
+
+
+def figure_analysis(evaluations, plt):
+    fig, axes = panel_grid(plt, len(evaluations), 4.0, 3.3)
+    for ax, ev in zip(axes, evaluations):
+        bins = {group: rows for group, rows in ev["analysis"]["bins"].items() if rows}
+        if not bins:
+            message_panel(ax, f"{ev['label']}: nothing to show.\n"
+                          + (f"This needs K >= 3 (it compares depths k = 2..K-1),\nand this checkpoint has K = "
+                             f"{ev['depth']}." if ev["depth"] < 3 else "No states were recorded."))
+            continue
+        xs, ys = [], []
+        for i, (group, rows) in enumerate(bins.items()):
+            x = [max(r["delta_mean"], 1e-9) for r in rows]  # a delta of exactly 0 sits at 1e-9
             y = [max(r["endpoint_mean"], 1e-9) for r in rows]
             ax.plot(x, y, color=f"C{i}", alpha=0.5)
-            ax.scatter(x, y, s=[600 * r["fraction"] for r in rows], color=f"C{i}", alpha=0.7, label=group)
-        ax.set(xscale="log", yscale="log", title=ev["label"], xlabel="delta_k = D(pi_k, pi_{k-1})",
-               ylabel="D(pi_K, pi_k)")
-        ax.xaxis.set_minor_formatter(plt.NullFormatter())
-        ax.yaxis.set_minor_formatter(plt.NullFormatter())
+            ax.scatter(x, y, s=[20 + 400 * r["fraction"] for r in rows], color=f"C{i}", alpha=0.7, label=group)
+            xs, ys = xs + x, ys + y
+        readable_log_axis(ax, "x", xs)
+        readable_log_axis(ax, "y", ys)
+        ax.set(title=ev["label"], xlabel=r"$\delta_k = D(\pi_k, \pi_{k-1})$, bin mean",
+               ylabel=r"$D(\pi_K, \pi_k)$, bin mean")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("adjacent-depth change vs distance to the endpoint (quantile bins, size = sample fraction)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        ax.legend(fontsize=7, markerscale=0.5)
+    fig.suptitle("adjacent-depth change against distance to the full-depth policy\n"
+                 "(quantile bins of delta_k, k = 2..K-1; marker area = fraction of states)", fontsize=10)
+    return fig
 
 
-def plot_traces(evaluations, path, plt):
-    fig, axes = plt.subplots(len(evaluations), 1, figsize=(8, 2.2 * len(evaluations)), squeeze=False)
-    for ax, ev in zip(axes[:, 0], evaluations):
-        for i, (group, trace) in enumerate(ev["trace"].items()):
-            ax.step(range(len(trace["depths"])), trace["depths"], where="mid", color=f"C{i}",
-                    label=f"{group} (success {trace['episode_success']:.0f})")
-        ax.set(title=f"{ev['label']}: depth per step, eps = {ev['calibration']['eps']:g}", xlabel="step",
-               ylabel="depth k*", ylim=(0.5, ev["depth"] + 0.5))
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def figure_traces(evaluations, plt):
+    """One panel per checkpoint (columns) and split or task (rows): the depth used at each step of one episode."""
+    groups = list(evaluations[0]["trace"])
+    fig, axes = plt.subplots(len(groups), len(evaluations), figsize=(4.6 * len(evaluations), 1.9 * len(groups) + 0.6),
+                             squeeze=False, layout="constrained", dpi=DPI)
+    for column, ev in enumerate(evaluations):
+        for row, group in enumerate(groups):
+            ax, trace = axes[row, column], ev["trace"][group]
+            depths = trace["depths"]
+            if not depths:
+                message_panel(ax, f"{ev['label']}, {group}: nothing to show (the episode had no steps)")
+                continue
+            ax.step(range(len(depths)), depths, where="mid", color=f"C{column}")
+            ax.set(title=f"{ev['label']}, {group_title(group)}: eps = {trace['eps']:g}, "
+                         f"episode success {trace['episode_success']:.0f}",
+                   xlabel="step of the episode", ylabel="depth k*", ylim=(0.5, ev["depth"] + 0.5),
+                   xlim=(-0.5, max(len(depths) - 0.5, 1)))
+            ax.title.set_fontsize(8)
+            integer_depth_axis(ax.yaxis, ev["depth"])
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            ax.grid(alpha=0.3)
+    fig.suptitle("depth used at each step of one episode (adaptive inference at the calibrated eps)", fontsize=10)
+    return fig
+
+
+GRID_COLORS = {"target": "#c7e9c0", "box": "#a0522d", "agent": "#1f77b4", "line": "#cccccc"}
 
 
 def draw_boxpick_grid(ax, grid, title):
@@ -960,13 +1183,15 @@ def draw_boxpick_grid(ax, grid, title):
     for cell, code in enumerate(grid):
         row, col = divmod(cell, GRID_SIZE)
         box, target, agent, carrying = CODE_FLAGS[int(code)]
-        ax.add_patch(Rectangle((col, row), 1, 1, facecolor="#c7e9c0" if target else "white", edgecolor="#cccccc"))
+        ax.add_patch(Rectangle((col, row), 1, 1, facecolor=GRID_COLORS["target"] if target else "white",
+                               edgecolor=GRID_COLORS["line"]))
         if box:
-            ax.add_patch(Rectangle((col + 0.2, row + 0.2), 0.6, 0.6, facecolor="#a0522d"))
+            ax.add_patch(Rectangle((col + 0.2, row + 0.2), 0.6, 0.6, facecolor=GRID_COLORS["box"]))
         if agent:
-            ax.add_patch(Circle((col + 0.5, row + 0.5), 0.3, facecolor="#1f77b4", alpha=0.85))
+            ax.add_patch(Circle((col + 0.5, row + 0.5), 0.3, facecolor=GRID_COLORS["agent"], alpha=0.85))
             if carrying:
-                ax.add_patch(Rectangle((col + 0.38, row + 0.38), 0.24, 0.24, facecolor="#a0522d"))
+                ax.add_patch(Rectangle((col + 0.38, row + 0.38), 0.24, 0.24, facecolor=GRID_COLORS["box"]))
+    ax.set_label("picture")
     ax.axis("on")
     ax.set_xlim(0, GRID_SIZE)
     ax.set_ylim(GRID_SIZE, 0)
@@ -976,70 +1201,181 @@ def draw_boxpick_grid(ax, grid, title):
     ax.set_title(title, fontsize=7)
 
 
-def plot_boxpick_strip(trace, frames, path, plt, title):
-    """The goal, then the first `frames` steps of one episode (targets shown), 10 panels a row."""
+def boxpick_legend(fig):
+    """What the symbols of a BoxPick strip mean."""
+    from matplotlib.legend_handler import HandlerTuple
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    square = dict(marker="s", linestyle="none", markerfacecolor=GRID_COLORS["box"], markeredgecolor="none")
+    agent = Line2D([], [], marker="o", linestyle="none", markersize=9, markerfacecolor=GRID_COLORS["agent"],
+                   markeredgecolor="none", alpha=0.85)
+    target = Patch(facecolor=GRID_COLORS["target"], edgecolor=GRID_COLORS["line"])
+    box = Line2D([], [], markersize=8, **square)
+    handles = [target, box, (target, Line2D([], [], markersize=5.5, **square)), agent, (box, agent),
+               (agent, Line2D([], [], markersize=3.5, **square))]
+    labels = ["target cell", "box", "box on a target", "agent", "agent on a box", "agent carrying a box"]
+    fig.legend(handles, labels, handler_map={tuple: HandlerTuple(ndivide=1)}, loc="outside lower center",
+               ncols=6, fontsize=7, frameon=False, handlelength=1.6, handleheight=1.2)
+
+
+def figure_boxpick_strip(trace, frames, plt, title):
+    """The goal, then the first `frames` steps of one episode (targets shown), 10 panels a row, and a legend."""
     steps = min(frames, len(trace["grids"]))
-    columns = min(steps + 1, 10)
-    rows = math.ceil((steps + 1) / columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(1.3 * columns, 1.5 * rows + 0.3), squeeze=False)
+    rows = math.ceil((steps + 1) / 10)
+    columns = math.ceil((steps + 1) / rows)  # rows of even length: 11 panels are 6 + 5, not 10 + 1
+    fig, axes = plt.subplots(rows, columns, figsize=(max(1.3 * columns, 5.5), 1.45 * rows + 0.8), squeeze=False,
+                             layout="constrained", dpi=DPI)
     for ax in axes.flat:
+        ax.set_label("picture")
         ax.axis("off")
     draw_boxpick_grid(axes.flat[0], trace["goal"], "goal")
     for t in range(steps):
-        draw_boxpick_grid(axes.flat[t + 1], trace["grids"][t], f"t={t} k={trace['depths'][t]}")
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        draw_boxpick_grid(axes.flat[t + 1], trace["grids"][t], f"t={t}, depth {trace['depths'][t]}")
+    boxpick_legend(fig)
+    fig.suptitle(title + "\n(t: step of the episode; depth: the depth k* adaptive inference used for that step)",
+                 fontsize=8)
+    return fig
+
+
+def build_figures(evaluations, args, plt):
+    """{file name: figure} for every plot of these evaluations."""
+    figures = {"elasticity.png": figure_elasticity(evaluations, plt), "pareto.png": figure_pareto(evaluations, plt),
+               "delta_vs_endpoint.png": figure_analysis(evaluations, plt),
+               "depth_trace.png": figure_traces(evaluations, plt)}
+    for ev in evaluations:
+        for group, trace in ev["trace"].items():
+            if "grids" in trace:
+                figures[f"strip_{safe_name(ev['label'])}_{group}.png"] = figure_boxpick_strip(
+                    trace, args.trace_frames, plt, f"{ev['label']}, {group_title(group)}: eps = {trace['eps']:g}, "
+                                                   f"episode success {trace['episode_success']:.0f}")
+    return figures
 
 
 def make_plots(evaluations, out_dir, args):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    paths = [out_dir / "elasticity.png", out_dir / "pareto.png", out_dir / "delta_vs_endpoint.png",
-             out_dir / "depth_trace.png"]
-    plot_elasticity(evaluations, paths[0], plt)
-    plot_pareto(evaluations, paths[1], plt)
-    plot_analysis(evaluations, paths[2], plt)
-    plot_traces(evaluations, paths[3], plt)
-    for ev in evaluations:
-        for group, trace in ev["trace"].items():
-            if "grids" in trace:
-                path = out_dir / f"strip_{safe_name(ev['label'])}_{group}.png"
-                plot_boxpick_strip(trace, args.trace_frames, path, plt,
-                                   f"{ev['label']} {group}: eps = {trace['eps']:g}, episode success "
-                                   f"{trace['episode_success']:.0f}")
-                paths.append(path)
+    paths = []
+    for name, fig in build_figures(evaluations, args, plt).items():
+        fig.savefig(out_dir / name, dpi=DPI)
+        plt.close(fig)
+        paths.append(out_dir / name)
     return paths
 
 
-def summary_table(evaluations, stress):
+# ---------------------------------------------------------------------------------------------------------
+# The printed tables (results.json holds everything)
+# ---------------------------------------------------------------------------------------------------------
+def text_table(header, rows, indent="  "):
+    """Columns padded to their widest cell; text left-aligned, numbers (cells that parse as one) right-aligned."""
+    def is_number(cell):
+        try:
+            float(cell.rstrip("x%*").strip())
+            return True
+        except ValueError:
+            return False
+    cells = [header] + rows
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    numeric = [bool(rows) and all(is_number(row[i]) for row in rows if row[i]) for i in range(len(header))]
     lines = []
-    for ev in evaluations:
-        cal = ev["calibration"]
-        lines.append(f"{ev['label']}  ({ev['algorithm']}, {ev['env_id']}, K={ev['depth']}, k_min={ev['k_min']}, "
-                     f"calibrated eps={cal['eps']:g} on {cal['calibrated_on']}"
-                     f"{'' if cal['met'] else ' (retention not met)'})")
-        lines.append(f"  {'split':8s} {'success at depth 1..K':36s} {'success(eps*)':>13s} {'depth(eps*)':>11s} "
-                     f"{'ideal':>6s}")
-        for group, successes in ev["elasticity"].items():
-            row = cal["results"][group]
-            fixed = " ".join(f"{s:.3f}" for s in successes)
-            lines.append(f"  {group:8s} {fixed:36s} {row['success']:13.3f} {row['mean_depth']:11.2f} "
-                         f"{row['ideal_speedup']:5.2f}x")
-    for row in stress:
-        if "error" in row:
-            lines.append(f"stress {row['checkpoint']} {row['num_envs']} envs: {row['error']}")
-            continue
-        full = row["modes"]["full"]
-        lines.append(f"stress {row['checkpoint']} {row['num_envs']} envs, eps={row['eps']:g}, "
-                     f"graph={row['cuda_graph']}: full {full['ms_per_step_median']:.3f} ms/step")
-        for mode, m in row["modes"].items():
-            if mode != "full":
-                lines.append(f"  {mode:8s} {m['ms_per_step_median']:.3f} ms/step (IQR {m['ms_per_step_iqr']:.3f}), "
-                             f"mean depth {m['mean_depth']:.2f}, speed-up {m['speedup']:.2f}x, ideal "
-                             f"{m['ideal_speedup']:.2f}x ({m['fraction_of_ideal']:.0%} of ideal)")
+    for row in cells:
+        lines.append(indent + "  ".join(cell.rjust(w) if num else cell.ljust(w)
+                                        for cell, w, num in zip(row, widths, numeric)).rstrip())
+    return lines
+
+
+def calibration_noise_note(calibration, episodes):
+    """A note when --retain asks for a loss smaller than one binomial standard error of full-depth success."""
+    p = calibration["full_depth_success"]
+    standard_error = math.sqrt(p * (1 - p) / max(episodes, 1))
+    if p <= 0 or (1 - calibration["retain"]) * p >= standard_error:
+        return None
+    return (f"--retain {calibration['retain']:g} allows a loss of {(1 - calibration['retain']) * p:.3f}, less than one "
+            f"standard error ({standard_error:.3f}, {episodes} episodes) of the full-depth success {p:.3f}, so eps* "
+            "is noisy; a fixed eps, a lower --retain or more episodes give a steadier choice.")
+
+
+def calibration_warning(calibration):
+    """A warning when the calibrated eps means nothing: full-depth success 0 keeps every eps above its floor."""
+    if calibration["full_depth_success"] > 0:
+        return None
+    return (f"full-depth {calibration['calibrated_on']} success is 0, so every eps meets the floor "
+            f"{calibration['retain']:g} x 0 = 0 and the 'calibrated' eps = {calibration['eps']:g} is merely the "
+            "largest eps of the grid: calibration is meaningless for this checkpoint. Choose eps from the sweep, or "
+            "evaluate a checkpoint that succeeds at full depth.")
+
+
+def summary_tables(evaluations, stress):
+    lines = []
+    if evaluations:
+        groups = list(evaluations[0]["elasticity"])
+        depth = max(ev["depth"] for ev in evaluations)
+        lines += [f"{evaluations[0]['env_id']}: success at each fixed depth"]
+        rows = []
+        for ev in evaluations:
+            for i, group in enumerate(groups):
+                values = ev["elasticity"][group]
+                rows.append([ev["label"] if i == 0 else "", group]
+                            + [f"{s:.3f}" for s in values] + [""] * (depth - len(values)))
+        lines += text_table(["checkpoint", "split" if "train" in groups else "task"]
+                            + [f"k={k}" for k in range(1, depth + 1)], rows)
+
+        for ev in evaluations:
+            cal = ev["calibration"]
+            lines += ["", f"{ev['label']}: adaptive inference (K = {ev['depth']}, k_min = {ev['k_min']}), "
+                          "success / mean depth at each eps"]
+            if ev["k_min"] + 1 >= ev["depth"]:
+                lines.append(f"  (k_min + 1 = K: no row can stop before depth K, so every eps runs to depth "
+                             f"{ev['depth']}{'; --k-min 0 lets depth 1 stop' if ev['k_min'] else ''})")
+            rows = []
+            for j, eps in enumerate(ev["eps_grid"]):
+                rows.append([f"{eps:g}"]
+                            + [f"{ev['adaptive'][g][j]['success']:.3f} / {ev['adaptive'][g][j]['mean_depth']:.2f}"
+                               for g in groups] + ["<- calibrated eps*" if eps == cal["eps"] else ""])
+            lines += text_table(["eps"] + groups + [""], rows)
+
+        lines += ["", f"calibrated eps*: the largest eps whose {evaluations[0]['calibration']['calibrated_on']} "
+                      f"success stays >= {evaluations[0]['calibration']['retain']:g} x its full-depth success"]
+        rows = []
+        for ev in evaluations:
+            cal = ev["calibration"]
+            for i, (group, row) in enumerate(cal["results"].items()):
+                rows.append([ev["label"] if i == 0 else "", f"{cal['eps']:g}" if i == 0 else "", group,
+                             f"{row['success']:.3f}", f"{row['full_depth_success']:.3f}", f"{row['mean_depth']:.2f}",
+                             f"{row['ideal_speedup']:.2f}x"])
+        lines += text_table(["checkpoint", "eps*", "split" if "train" in groups else "task", "success", "full depth",
+                             "mean depth", "ideal speed-up"], rows)
+        for ev in evaluations:
+            cal = ev["calibration"]
+            notes = [f"WARNING {ev['label']}: {cal['warning']}"] if cal.get("warning") else []
+            if not cal["met"]:
+                notes.append(f"note {ev['label']}: no eps kept {cal['retain']:g} of full-depth success (noise); "
+                             f"eps* is the smallest eps, {cal['eps']:g}")
+            if cal.get("note"):
+                notes.append(f"note {ev['label']}: {cal['note']}")
+            lines += [textwrap.fill(note, 116, initial_indent="  ", subsequent_indent="    ") for note in notes]
+
+    if stress:
+        first = next((row for row in stress if "modes" in row), stress[0])
+        lines += ["", f"wall clock of one env step ({first.get('env_id', '')}, {first.get('split', '')} tasks, "
+                      f"CUDA graphs {'on' if first.get('cuda_graph') else 'off'}); the paper (Table 3): "
+                      f"{PAPER_ANCHOR['speedup']}x at mean depth {PAPER_ANCHOR['mean_depth']:.2f} of "
+                      f"{PAPER_ANCHOR['depth']} with {PAPER_ANCHOR['num_envs']:,} envs"]
+        rows, errors = [], []
+        for row in stress:
+            if "error" in row:
+                errors.append(f"  {row['checkpoint']}, {row['num_envs']} envs: failed: {row['error']}")
+                continue
+            for i, (mode, m) in enumerate(row["modes"].items()):
+                rows.append([row["checkpoint"] if i == 0 else "", f"{row['num_envs']}" if i == 0 else "",
+                             f"{row['eps']:g}" if i == 0 else "", mode,
+                             f"{m['ms_per_step_median']:.3f}", f"{m['ms_per_step_iqr']:.3f}", f"{m['mean_depth']:.2f}",
+                             f"{m.get('speedup', 1.0):.2f}x", f"{m.get('ideal_speedup', 1.0):.2f}x",
+                             f"{m['fraction_of_ideal']:.0%}" if "fraction_of_ideal" in m else ""])
+        if rows:
+            lines += text_table(["checkpoint", "envs", "eps", "mode", "ms/step", "IQR", "mean depth", "speed-up",
+                                 "ideal", "of ideal"], rows)
+        lines += errors
     return "\n".join(lines)
 
 
@@ -1126,16 +1462,16 @@ def main(args: Args):
                "stopping_rule": "k* = min({k > k_min : delta_k < eps} | {K}), delta_k = divergence(pi_k, pi_{k-1}) "
                                 "(deeper policy first, the training loss's direction), clamped at 0",
                "checkpoints": evaluations,
+               "warnings": [f"{ev['label']}: {ev['calibration']['warning']}" for ev in evaluations
+                            if ev["calibration"]["warning"]],
                "stress": {"paper_anchor": PAPER_ANCHOR, "results": stress} if args.stress_envs else None}
     tmp = out_dir / ".results.json.tmp"
     tmp.write_text(json.dumps(results, indent=1))
     os.replace(tmp, out_dir / "results.json")
 
     plot_paths = make_plots(evaluations, out_dir, args) if evaluations else []
-    print(summary_table(evaluations, stress))
-    if args.stress_envs:
-        print(json.dumps(results["stress"], indent=1))
-    print(f"wrote {out_dir / 'results.json'} and {len(plot_paths)} plots")
+    print(summary_tables(evaluations, stress))
+    print(f"wrote {out_dir / 'results.json'} (every number above and more) and {len(plot_paths)} plots to {out_dir}")
     if args.track:
         log_to_wandb(args, name, out_dir, evaluations, stress, plot_paths)
     return out_dir

@@ -1,7 +1,8 @@
 """FlexLoop's environments, registered with gymnasium on import.
 
-    import gymnasium as gym, envs
-    vec_env = gym.make_vec("BoxPick-Exact-4-v0", num_envs=1024, device="cuda", split="unseen")
+    import gymnasium as gym, envs, torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vec_env = gym.make_vec("BoxPick-Exact-4-v0", num_envs=1024, device=device, split="unseen")
 
 Each id makes a batched vector env whose state lives on `device`.
 """

@@ -325,3 +325,13 @@ class LightsOutVecEnv(gymnasium.vector.VectorEnv):
         self.episode_length.masked_fill_(done, 0)
         self.episode_return.masked_fill_(done, 0.0)
         return self._obs(), reward, terminated, truncated, info
+
+    def render_text(self, index=0, with_goal=True):
+        """Env `index` as text, for a human: its board ('#' on, '.' off), and beside it the goal board."""
+        if not -self.num_envs <= index < self.num_envs:
+            raise IndexError(f"index {index} is out of range for {self.num_envs} envs")
+        board = render(self.board[index]).splitlines()
+        if not with_goal:
+            return "\n".join(board)
+        goal = render(self.goal[index]).splitlines()
+        return "\n".join([f"{'board':{COLS}s}  goal"] + [f"{b}  {g}" for b, g in zip(board, goal)])

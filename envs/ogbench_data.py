@@ -256,13 +256,13 @@ def missing_dataset_message(env_name, paths, dataset_dir=None):
         "Download it (train and -val files) with",
         f"    python -c \"import ogbench; ogbench.download_datasets(['{env_name}'], '{dataset_dir}')\"",
         f"or fetch {OGBENCH_URL}/{env_name}.npz and {OGBENCH_URL}/{env_name}-val.npz into the dataset dir,",
-        "then pass --dataset-dir (or dataset_dir=) pointing there.",
+        "then pass --dataset-dir DIR pointing there (in Python: load_dataset(..., dataset_dir=DIR)).",
     ]
     if get_spec(env_name).family == "manipulation" or env_name.startswith("pointmaze"):
         lines += [
             "Or generate it locally with the oracles in the ogbench package:",
             f"    python -m envs.ogbench_data generate --env {env_name} --episodes N --out DIR",
-            "and pass dataset_dir=DIR.",
+            "and pass --dataset-dir DIR (in Python: dataset_dir=DIR).",
         ]
     else:
         lines += ["It cannot be generated locally: its data comes from a pretrained locomotion expert."]
@@ -595,7 +595,8 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {train_path} and {val_path}")
-    print(f"load with: envs.ogbench_data.load_dataset({args.env!r}, dataset_dir={args.out!r})")
+    print(f"train on it with: python flexloop_gciql.py --env-name {args.env} --dataset-dir {args.out}")
+    print(f"or load it in Python: envs.ogbench_data.load_dataset({args.env!r}, dataset_dir={args.out!r})")
     return 0
 
 

@@ -1,8 +1,11 @@
 """eval_adaptive.py: the stopping rule, compacted against masked inference, calibration, bucket sizes, LightsOut
-episode accounting, bad inputs, and a smoke run (results.json, plots, a tiny CPU stress test)."""
+episode accounting, bad inputs, a smoke run (results.json, plots, a tiny CPU stress test), and every plot and
+printed table checked for readability."""
 
 import json
 
+import matplotlib
+import numpy as np
 import pytest
 import torch
 
@@ -11,6 +14,7 @@ import eval_adaptive as ea
 import flexloop_gcdqn as gcdqn
 from envs.lightsout import min_solution_length, solve
 
+matplotlib.use("Agg")
 K = 5
 
 
@@ -318,9 +322,203 @@ def test_smoke_run_writes_results_and_plots(checkpoints, tmp_path, capsys):
             m = row["modes"][mode]
             assert m["ms_per_step_median"] > 0 and m["ms_per_step_iqr"] >= 0 and m["speedup"] > 0
             assert m["ideal_speedup"] == pytest.approx(K / m["mean_depth"])
-    printed = capsys.readouterr().out
-    assert '"paper_anchor"' in printed and "speed-up" in printed
+    printed = capsys.readouterr().out  # tables, not JSON (the JSON is in results.json)
+    assert "speed-up" in printed and "the paper (Table 3): 1.34x" in printed and '"paper_anchor"' not in printed
+    assert "{" not in printed and len(printed.splitlines()) < 60
 
 
 def row_eps(results, label):
     return next(c["calibration"]["eps"] for c in results["checkpoints"] if c["label"] == label)
+
+
+# ----- plots and printed tables -----
+
+def fake_evaluation(label, env_id, depth, eps_grid, seed, groups=("train", "unseen"), k_min=1):
+    """An evaluation shaped like evaluate_checkpoint's, with plausible numbers: success rising with depth, an eps
+    sweep whose small eps crowd near depth K (the case where eps labels collide), analysis bins over decades."""
+    rng = np.random.default_rng(seed)
+    ogbench = not env_id.startswith(("BoxPick", "LightsOut"))
+    top = {g: rng.uniform(0.05, 0.6) for g in groups}
+    elasticity = {g: [float(top[g] * (1 - np.exp(-k / 1.5))) for k in range(1, depth + 1)] for g in groups}
+    adaptive = {}
+    for g in groups:
+        rows = []
+        for eps in eps_grid:
+            mean_depth = depth - (depth - k_min - 1) * (eps / max(eps_grid)) ** 0.5 if eps else float(depth)
+            success = float(np.interp(mean_depth, range(1, depth + 1), elasticity[g]) *
+                            (rng.uniform(0.9, 1.0) if eps else 1.0))
+            histogram = np.full(depth, 1.0 / depth).tolist()
+            rows.append({"eps": eps, "success": success, "mean_depth": mean_depth, "depth_histogram": histogram,
+                         "ideal_speedup": depth / mean_depth})
+        adaptive[g] = rows
+    if ogbench:
+        elasticity["mean"] = np.mean([elasticity[g] for g in groups], 0).tolist()
+        adaptive["mean"] = ea.mean_over_tasks([adaptive[g] for g in groups], depth)
+    calibrated_on = "mean" if ogbench else "train"
+    calibration = ea.calibrate(adaptive[calibrated_on], elasticity[calibrated_on][-1], 0.99)
+    index = list(eps_grid).index(calibration["eps"])
+    calibration.update(calibrated_on=calibrated_on, results={g: {**rows[index], "full_depth_success": elasticity[g][-1]}
+                                                             for g, rows in adaptive.items()})
+    calibration["warning"] = ea.calibration_warning(calibration)
+    bins = {}
+    if depth > 2:
+        for g in groups:
+            delta = np.logspace(-4, -1, 10) * rng.uniform(0.8, 1.2, 10)
+            bins[g] = [{"bin": b, "fraction": 0.1, "delta_mean": float(d), "endpoint_mean": float(3 * d)}
+                       for b, d in enumerate(delta)]
+    trace = {}
+    grid = envs.make_vec("BoxPick-Exact-4-v0", 1, seed=seed).unwrapped
+    grid.reset()
+    for g in groups:
+        trace[g] = {"eps": calibration["eps"], "depths": rng.integers(k_min + 1, depth + 1, 100).tolist(),
+                    "episode_success": 1.0}
+        if env_id.startswith("BoxPick"):
+            trace[g].update(grids=grid.grid.repeat(100, 1).tolist(), goal=grid.goal[0].tolist())
+    return {"label": label, "path": f"{label}.pt", "algorithm": "fake", "env_id": env_id, "depth": depth,
+            "k_min": k_min, "eps_grid": list(eps_grid), "elasticity": elasticity, "adaptive": adaptive,
+            "calibration": calibration, "analysis": {"bins": bins}, "trace": trace}
+
+
+def tick_labels(axis):
+    """The labels of the major ticks inside the axis's view."""
+    low, high = sorted(axis.get_view_interval())
+    span = high - low
+    return [label.get_text() for loc, label in zip(axis.get_majorticklocs(), axis.get_majorticklabels())
+            if low - 1e-9 * span <= loc <= high + 1e-9 * span and label.get_text()]
+
+
+def check_figures(evaluations, tmp_path, caplog, trace_frames=20):
+    """Every figure builds and saves without a matplotlib warning; every plotting axes has axis labels and at
+    least two labelled ticks per axis; pictures and messages are marked; Pareto eps labels never overlap."""
+    import logging
+    import warnings
+
+    import matplotlib.pyplot as plt
+    args = ea.Args(checkpoints=("x.pt",), trace_frames=trace_frames)
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="matplotlib"):
+        warnings.simplefilter("error")
+        figures = ea.build_figures(evaluations, args, plt)
+        for name, fig in figures.items():
+            fig.savefig(tmp_path / name, dpi=ea.DPI)
+    assert not [r for r in caplog.records if r.name.startswith("matplotlib")]
+    for name, fig in figures.items():
+        assert (tmp_path / name).stat().st_size > 5000, name
+        for ax in fig.axes:
+            if not ax.get_visible() or ax.get_label() == "picture":
+                continue
+            if ax.get_label() == "message":  # a panel that says in words why it has no data
+                assert "nothing to show" in " ".join(t.get_text() for t in ax.texts), name
+                continue
+            assert ax.get_xlabel() and ax.get_ylabel(), (name, ax.get_title())
+            for axis in (ax.xaxis, ax.yaxis):
+                assert len(tick_labels(axis)) >= 2, (name, ax.get_title(), axis.axis_name, tick_labels(axis))
+            if name == "pareto.png":  # eps labels: some, and none overlapping another
+                renderer = fig.canvas.get_renderer()
+                assert ax.texts and overlaps([t.get_window_extent(renderer) for t in ax.texts]) == []
+    return figures
+
+
+def overlaps(boxes):
+    return [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+
+
+@pytest.mark.parametrize("depth", [2, 5])
+def test_ogbench_shaped_plots_wrap_read_and_label_eps_without_overlap(depth, tmp_path, caplog):
+    import matplotlib.pyplot as plt
+    tasks = ("task1", "task2", "task3", "task4", "task5")
+    eps_grid = ea.EPS_GRIDS["ogbench-manipulation"]
+    evaluations = [fake_evaluation(name, "cube-double-play-v0", depth, eps_grid, seed, groups=tasks)
+                   for seed, name in enumerate(["IRU", "FlexLoop"])]
+    figures = check_figures(evaluations, tmp_path, caplog)
+    # 6 panels (5 tasks and their mean) wrap into 2 rows of 3, not one wide strip
+    panels = [ax for ax in figures["elasticity.png"].axes if ax.get_visible()]
+    assert len(panels) == 6 and len({round(ax.get_position().y0, 3) for ax in panels}) == 2
+    for name in ("elasticity.png", "pareto.png"):
+        for ax in figures[name].axes:
+            if ax.get_visible():  # whole depths only: K = 2 shows 1 and 2, never 1.2
+                assert tick_labels(ax.xaxis) == [str(k) for k in range(1, depth + 1)]
+    assert sum(len(ax.texts) for ax in figures["pareto.png"].axes) >= 12  # most points still carry their eps
+    analysis = figures["delta_vs_endpoint.png"].axes
+    if depth == 2:  # nothing to show, said in words
+        assert all(ax.get_label() == "message" and "K >= 3" in ax.texts[0].get_text() for ax in analysis)
+    else:
+        assert all(ax.get_xscale() == "log" and len(tick_labels(ax.xaxis)) >= 3 for ax in analysis)
+    plt.close("all")
+
+
+def test_boxpick_shaped_plots_separate_traces_and_explain_the_symbols(tmp_path, caplog):
+    import matplotlib.pyplot as plt
+    evaluations = [fake_evaluation(name, "BoxPick-Exact-4-v0", 5, ea.EPS_GRIDS["boxpick"], seed)
+                   for seed, name in enumerate(["IRU-5", "FlexLoop", "Self-TD Only"])]
+    figures = check_figures(evaluations, tmp_path, caplog)
+    traces = [ax for ax in figures["depth_trace.png"].axes if ax.get_visible()]
+    assert len(traces) == 6 and all(len(ax.lines) == 1 for ax in traces)  # train and unseen never share a panel
+    strip = figures["strip_FlexLoop_unseen.png"]
+    legend_text = " ".join(t.get_text() for t in strip.legends[0].get_texts())
+    for symbol in ("target cell", "box", "box on a target", "agent", "agent on a box", "agent carrying a box"):
+        assert symbol in legend_text
+    plt.close("all")
+
+
+def test_narrow_log_ranges_get_several_tick_labels():
+    for low, high in [(1e-3, 1.3e-3), (0.011, 0.029), (2e-5, 3e-1), (0.5, 0.5000001)]:
+        ticks, lo, hi = ea.log_ticks(low, high)
+        assert len([t for t in ticks if lo <= t <= hi]) >= 2 and lo <= low and hi >= high
+
+
+def test_printed_tables_and_calibration_warning(capsys):
+    good = fake_evaluation("FlexLoop", "LightsOut-4x5-v0", 5, ea.EPS_GRIDS["lightsout"], 0)
+    failing = fake_evaluation("IRU-5", "LightsOut-4x5-v0", 5, ea.EPS_GRIDS["lightsout"], 1)
+    for rows in failing["elasticity"].values():
+        rows[:] = [0.0] * len(rows)
+    failing["calibration"]["full_depth_success"] = 0.0
+    failing["calibration"]["warning"] = ea.calibration_warning(failing["calibration"])
+    assert good["calibration"]["warning"] is None and "meaningless" in failing["calibration"]["warning"]
+    text = ea.summary_tables([good, failing], [])
+    assert "{" not in text and "k=5" in text and "<- calibrated eps*" in text
+    assert "WARNING IRU-5" in text and "calibration is meaningless" in text and "WARNING FlexLoop" not in text
+    assert max(len(line) for line in text.splitlines()) <= 120
+
+
+@pytest.fixture(scope="module")
+def k2_gcdqn_checkpoint(tmp_path_factory):
+    """A K = 2 gcdqn checkpoint: no depths 2..K-1 to analyse, and no depth below K can stop at k_min = 1."""
+    args = gcdqn.Args(num_envs=8, batch_size=8, updates_per_rollout=2, intervals_per_epoch=1, pretrain_epochs=1,
+                      num_epochs=1, hidden_dim=16, depth=2, eval_every=1, num_eval_envs=4, log_every=1, save_every=1,
+                      episode_length=10, replay_episodes=2, cuda=False, run_dir=str(tmp_path_factory.mktemp("runs")))
+    return (gcdqn.train(args) / "final.pt",)
+
+
+@pytest.fixture(scope="module")
+def gcppo_checkpoints(tmp_path_factory):
+    import flexloop_gcppo as gcppo
+    args = gcppo.Args(cuda=False, num_envs=8, num_steps=8, num_minibatches=2, update_epochs=2, depth=3, hidden_dim=16,
+                      pretrain_timesteps=128, total_timesteps=128, num_eval_envs=4, eval_every=1, save_every=1,
+                      run_dir=str(tmp_path_factory.mktemp("runs")))
+    run_dir = gcppo.train(args)
+    return run_dir / "pretrained.pt", run_dir / "final.pt"
+
+
+@pytest.mark.parametrize("which", ["checkpoints", "k2_gcdqn_checkpoint", "gcppo_checkpoints"])
+def test_every_plot_of_real_checkpoints_reads(which, request, tmp_path, caplog, capsys):
+    """gcdqn K = 5 and K = 2 and gcppo through main(); then every figure of its results.json is checked (OGBench
+    layouts: the fake-evaluation tests above, since CPU MuJoCo episodes are too slow for the suite)."""
+    import matplotlib.pyplot as plt
+    checkpoints = request.getfixturevalue(which)
+    out_dir = ea.main(ea.Args(checkpoints=tuple(str(p) for p in checkpoints), num_eval_envs=8, trace_frames=6,
+                              out_dir=str(tmp_path / "out"), cuda=False))
+    printed = capsys.readouterr().out
+    results = json.loads((out_dir / "results.json").read_text())
+    evaluations = results["checkpoints"]
+    check_figures(evaluations, tmp_path, caplog, trace_frames=6)
+    plt.close("all")
+    assert "{" not in printed and "success at each fixed depth" in printed and "adaptive inference" in printed
+    for ev in evaluations:
+        calibration = ev["calibration"]
+        assert calibration["meaningful"] == (calibration["full_depth_success"] > 0)
+        if not calibration["meaningful"]:  # full-depth success 0: said in results.json and on the terminal
+            assert "calibration is meaningless" in calibration["warning"]
+            assert any(w.startswith(ev["label"]) for w in results["warnings"])
+            assert f"WARNING {ev['label']}:" in printed
+    if which == "k2_gcdqn_checkpoint":
+        assert "no row can stop before depth K" in printed

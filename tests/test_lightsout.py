@@ -115,6 +115,17 @@ def test_render():
     assert render(torch.zeros(2, 4, 5)).count("\n\n") == 1
 
 
+def test_render_text_shows_an_envs_board_beside_its_goal():
+    env = LightsOutVecEnv(3, seed=0)
+    start, goal = board("#.... .#... ..#.. ...##"), board("..... ..... ..... ....#")
+    env.reset(options={"board": torch.stack([goal, start, goal]), "goal": torch.stack([start, goal, start])})
+    assert env.render_text(1) == "board  goal\n#....  .....\n.#...  .....\n..#..  .....\n...##  ....#"
+    assert env.render_text(1, with_goal=False) == render(start)
+    assert env.render_text(-1) == env.render_text(0)
+    with pytest.raises(IndexError, match="out of range for 3 envs"):
+        env.render_text(3)
+
+
 # ---------------------------------------------------------------------------
 # solver and task generator
 # ---------------------------------------------------------------------------

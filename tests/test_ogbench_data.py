@@ -237,6 +237,8 @@ def test_sampler_seeded_and_edge_of_trajectory():
 def _assert_says_download_and_generate(msg, name):
     assert "download_datasets" in msg and "rail.eecs.berkeley.edu" in msg
     assert f"python -m envs.ogbench_data generate --env {name}" in msg
+    # the scripts' flag, spelled as the command line takes it (dataset_dir= only as the Python keyword)
+    assert "pass --dataset-dir DIR" in msg and "pass dataset_dir" not in msg
 
 
 def test_missing_dataset_clear_error(tmp_path, monkeypatch):
@@ -269,6 +271,13 @@ def test_unknown_and_corrupt(tmp_path, data_dir):
     # a file of another dataset is caught by its shapes
     with pytest.raises(ValueError, match="obs dim 37"):
         od.load_dataset(CUBE, dataset_path=str(data_dir / f"{PM}.npz"))
+
+
+def test_generate_command_names_the_flag_that_loads_its_output(tmp_path, capsys):
+    assert od.main(["generate", "--env", PM, "--out", str(tmp_path), "--episodes", "2", "--episode-steps", "10",
+                    "--workers", "1", "--no-progress"]) == 0
+    assert f"python flexloop_gciql.py --env-name {PM} --dataset-dir {tmp_path}" in capsys.readouterr().out
+    assert (tmp_path / f"{PM}.npz").is_file()
 
 
 def test_antmaze_generate_refuses(tmp_path):

@@ -1,0 +1,56 @@
+"""README.md as a new user reads it: the env snippet runs as written on a CPU, every registered env id is listed,
+CI runs the README's set-up commands, and the package metadata exposes what those commands promise."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import envs
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+
+
+def code_blocks(language):
+    return re.findall(rf"^```{language}\n(.*?)^```", README, flags=re.S | re.M)
+
+
+def test_env_snippet_runs_as_written_on_cpu(monkeypatch, capsys):
+    snippet = next(block for block in code_blocks("python") if "gym.make_vec" in block)
+    assert '"cuda"' not in snippet.replace('"cuda" if torch.cuda.is_available() else "cpu"', "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU
+    namespace = {}
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    assert namespace["device"] == "cpu" and namespace["reward"].device.type == "cpu"
+    assert namespace["obs"]["observation"].shape == (1024, 36)
+    printed = capsys.readouterr().out
+    assert len(printed.splitlines()) == 6  # the 6x6 grid of render_text
+
+
+def test_every_registered_env_id_is_listed():
+    section = README[README.index("## Environments"):]
+    section = section[:section.index("\n## ", 1)]
+    listed = set(re.findall(r"`((?:BoxPick|LightsOut)-[\w-]+-v0)`", section))
+    assert listed == set(envs.ENV_IDS)
+    assert "BoxPick-Generalize-1-1-v0`, a small debugging env" in section
+
+
+def test_ci_runs_the_readme_set_up_commands():
+    install, test = code_blocks("bash")[0].splitlines()[:2]
+    assert install.startswith("python3 -m venv .venv") and install.endswith("pip install -r requirements.txt -e .")
+    assert test == "python -m pytest tests -q"
+    ci = [line for line in (REPO / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci.index(install) < ci.index(test)
+
+
+def test_pyproject_installs_the_envs_package_and_every_script():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    setuptools = project["tool"]["setuptools"]
+    assert setuptools["packages"] == ["envs"]
+    scripts = {p.stem for p in REPO.glob("*.py")}
+    assert set(setuptools["py-modules"]) == scripts
+    # requirements.txt keeps the tested torch pinned: an open range would pull a multi-GB CUDA build
+    assert re.search(r"^torch==\d", (REPO / "requirements.txt").read_text(), flags=re.M)
