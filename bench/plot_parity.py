@@ -1,0 +1,63 @@
+"""Overlay the per-depth success curves of runs with the same seed and protocol: the learning-parity figure that
+a change to GC-DQN's numerics must pass (issue 14). Reads each run's metrics.jsonl.
+
+    python bench/plot_parity.py --runs runs/old/metrics.jsonl runs/new/metrics.jsonl --labels before after \
+        --out docs/gcdqn_parity.png
+"""
+
+import argparse
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def eval_records(path):
+    records = []
+    for line in open(path):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a killed run may leave its last line cut short
+            continue
+        if any(key.startswith("eval/train/success_depth_") for key in record):
+            records.append(record)
+    return records
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", nargs="+", required=True, help="metrics.jsonl of each run")
+    parser.add_argument("--labels", nargs="+", required=True)
+    parser.add_argument("--updates-per-step", type=float, default=1000 / (1024 * 100),
+                        help="updates per global_step (env step); GC-DQN's default: 1,000 updates per 102,400 steps")
+    parser.add_argument("--title", default="")
+    parser.add_argument("--out", required=True)
+    cli = parser.parse_args()
+    runs = {label: eval_records(path) for label, path in zip(cli.labels, cli.runs)}
+    depth = max(int(key.rsplit("_", 1)[1]) for records in runs.values() for key in records[0]
+                if key.startswith("eval/train/success_depth_"))
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    styles = ["-", "--", ":", "-."]
+    colours = plt.cm.viridis([k / max(1, depth - 1) for k in range(depth)])
+    for axis, split in zip(axes, ["train", "unseen"]):
+        for (label, records), style in zip(runs.items(), styles):
+            updates = [r["global_step"] * cli.updates_per_step / 1000 for r in records]
+            for k in range(1, depth + 1):
+                axis.plot(updates, [r[f"eval/{split}/success_depth_{k}"] for r in records], style, marker="o",
+                          markersize=3, color=colours[k - 1], label=f"{label}, depth {k}" if k in (depth - 1, depth)
+                          else None)
+        axis.set_xlabel("updates (thousands)")
+        axis.set_title(f"{split} tasks")
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("success (1,024 episodes)")
+    axes[1].legend(fontsize=7, loc="upper left")
+    figure.suptitle(cli.title or "per-depth success, same seed and protocol (colour: depth, line style: run)")
+    figure.tight_layout()
+    figure.savefig(cli.out, dpi=120)
+    print(json.dumps({"out": cli.out, "runs": {label: len(records) for label, records in runs.items()}}))
+
+
+if __name__ == "__main__":
+    main()
