@@ -28,6 +28,7 @@ def measure(variant, num_envs, device, steps, mode, steps_per_graph):
     env = BoxPickVecEnv(num_envs, variant=variant, device=device, seed=0, check_actions=False)
     env.reset()
     if mode == "compiled-graph":  # fuse the step's small ops, then capture as in "graph"
+        torch._dynamo.reset()  # each measurement compiles its own env's step from scratch
         env.step = torch.compile(env.step, fullgraph=False)
     # Random actions drawn on the device ahead of time, like the reference's pre-split PRNG keys.
     actions = torch.randint(NUM_ACTIONS, (steps, num_envs), device=device)

@@ -75,6 +75,7 @@ _REMOVE_AGENT = torch.tensor([EMPTY, BOX, TARGET, EMPTY, EMPTY, BOX, TARGET, TAR
 # Exact-n quadrants: 0 top-left, 1 top-right, 2 bottom-left, 3 bottom-right.
 TRAIN_QUADRANT_PAIRS = [(0, 1), (1, 0), (0, 2), (2, 0), (1, 3), (3, 1), (2, 3), (3, 2)]  # adjacent
 UNSEEN_QUADRANT_PAIRS = [(0, 3), (3, 0), (1, 2), (2, 1)]  # diagonal
+QUADRANT_SIZE = 9  # cells in a 3x3 quadrant
 QUADRANT_CELLS = [
     [(r0 + r) * GRID_SIZE + c0 + c for r in range(3) for c in range(3)]
     for r0, c0 in [(0, 0), (0, 3), (3, 0), (3, 3)]
@@ -217,45 +218,67 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
         self.allowed = torch.ones(n, NUM_CELLS, dtype=torch.bool, device=self.device)  # quarter filter region
 
     # ----- task generators -----
-    def _smallest(self, n, size, k):
-        """Per row, a bool mask of the k cells that draw the smallest uniform numbers: a uniformly
-        random k-subset, ordered by draw (topk is much cheaper than a full shuffle)."""
-        draws = torch.rand(n, size, generator=self.generator, device=self.device)
-        return draws, torch.topk(draws, k, dim=1, largest=False).values
+    # A random draw that names a torch.Generator breaks a torch.compile graph (dynamo cannot trace it), and each
+    # break splits a step into separately compiled pieces that recompile per env instance. So n tasks take all
+    # their randomness from one uniform draw, (n, noise width), made at the top of `step` and `reset`.
+    def _noise_width(self):
+        """Uniform numbers one task needs: Exact, the quadrant pair, 9 box and 9 target cells, the agent's cell;
+        Generalize, 36 cells and the agent's cell."""
+        return 2 * QUADRANT_SIZE + 2 if self.settings["generator"] == "exact" else NUM_CELLS + 1
 
-    def sample_tasks(self, n):
-        """n fresh tasks: (box, target) planes (n, 36), agent start cell (n,), allowed region (n, 36)."""
+    @torch.compiler.disable  # one clean graph break per step, never a frame of its own that recompiles
+    def _task_noise(self, n):
+        return torch.rand(n, self._noise_width(), generator=self.generator, device=self.device)
+
+    @staticmethod
+    def _smallest(draws, k):
+        """Per row, the k smallest of the uniform draws: the cells below the k-th form a uniformly random
+        k-subset, ordered by draw (topk is much cheaper than a full shuffle)."""
+        return torch.topk(draws, k, dim=1, largest=False).values
+
+    @staticmethod
+    def _uniform_int(u, k):
+        """A uniform integer in 0..k-1 from a uniform number in [0, 1)."""
+        return (u * k).long().clamp_(max=k - 1)
+
+    def sample_tasks(self, n, noise=None):
+        """n fresh tasks: (box, target) planes (n, 36), agent start cell (n,), allowed region (n, 36). noise:
+        the (n, noise width) uniform numbers to build them from; drawn here when not given."""
+        noise = self._task_noise(n) if noise is None else noise
         if self.settings["generator"] == "exact":
-            return self._sample_exact(n)
-        return self._sample_generalize(n)
+            return self._sample_exact(noise)
+        return self._sample_generalize(noise)
 
-    def _sample_generalize(self, n):
+    def _sample_generalize(self, noise):
+        n = noise.shape[0]
         num_boxes = self.settings["num_boxes"]
         num_moving = num_boxes if self.split == "unseen" else self.settings["num_moving"]
         # Shuffle the cells: the first num_boxes hold boxes, the first (num_boxes - num_moving) of those
         # already sit on targets, and the next num_moving cells are the free targets.
-        draws, smallest = self._smallest(n, NUM_CELLS, num_boxes + num_moving)
+        draws = noise[:, :NUM_CELLS]
+        smallest = self._smallest(draws, num_boxes + num_moving)
         def first(k):  # the first k cells of the shuffle
             return draws <= smallest[:, k - 1:k] if k > 0 else torch.zeros_like(draws, dtype=torch.bool)
         box = first(num_boxes)
         target = first(num_boxes - num_moving) | (first(num_boxes + num_moving) & ~box)
-        agent_start = torch.randint(NUM_CELLS, (n,), generator=self.generator, device=self.device)
+        agent_start = self._uniform_int(noise[:, NUM_CELLS], NUM_CELLS)
         allowed = torch.ones(n, NUM_CELLS, dtype=torch.bool, device=self.device)
         return box, target, agent_start, allowed
 
-    def _sample_exact(self, n):
+    def _sample_exact(self, noise):
+        n = noise.shape[0]
         num_boxes = self.settings["num_boxes"]
-        pair = self._quadrant_pairs[torch.randint(len(self._quadrant_pairs), (n,), generator=self.generator,
-                                                  device=self.device)]
+        pair = self._quadrant_pairs[self._uniform_int(noise[:, 0], len(self._quadrant_pairs))]
         box_cells = self._quadrant_cells[pair[:, 0]]  # (n, 9)
         target_cells = self._quadrant_cells[pair[:, 1]]
-        box_draws, box_smallest = self._smallest(n, 9, num_boxes)
-        target_draws, target_smallest = self._smallest(n, 9, num_boxes)
+        box_draws, target_draws = noise[:, 1:1 + QUADRANT_SIZE], noise[:, 1 + QUADRANT_SIZE:1 + 2 * QUADRANT_SIZE]
+        box_smallest, target_smallest = self._smallest(box_draws, num_boxes), self._smallest(target_draws, num_boxes)
         box = torch.zeros(n, NUM_CELLS, dtype=torch.bool, device=self.device)
         target = torch.zeros_like(box)
         box.scatter_(1, box_cells, box_draws <= box_smallest[:, -1:])
         target.scatter_(1, target_cells, target_draws <= target_smallest[:, -1:])
-        agent_start = box_cells.gather(1, torch.randint(9, (n, 1), generator=self.generator, device=self.device))[:, 0]
+        agent_in_quadrant = self._uniform_int(noise[:, -1], QUADRANT_SIZE)
+        agent_start = torch.gather(box_cells, 1, agent_in_quadrant[:, None])[:, 0]
         allowed = torch.zeros_like(box)
         allowed.scatter_(1, box_cells, True)
         allowed.scatter_(1, target_cells, True)
@@ -348,6 +371,7 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
     def step(self, actions):
         actions = self._check(actions)
         n = self.num_envs
+        task_noise = self._task_noise(n)  # the step's one random draw: the auto-reset's fresh tasks
         rows, cols = self.agent_pos // GRID_SIZE, self.agent_pos % GRID_SIZE
 
         # Moves: off-grid moves do nothing; the agent walks over boxes and targets.
@@ -391,12 +415,12 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
             "episode_boxes_on_target": (box_plane & target_plane).sum(1).float(),
             "episode_length": self.steps.clone(),
         }
-        self._autoreset(truncated)
+        self._autoreset(truncated, task_noise)
         return self._obs(), reward, terminated, truncated, info
 
-    def _autoreset(self, done):
+    def _autoreset(self, done, task_noise):
         """Reset finished envs in place, without a host sync: fresh tasks for all, kept where done."""
-        box, target, agent_start, allowed = self.sample_tasks(self.num_envs)
+        box, target, agent_start, allowed = self.sample_tasks(self.num_envs, task_noise)
         carrying = torch.zeros(self.num_envs, dtype=torch.bool, device=self.device)
         new_grid, new_goal = self._build(box, target, agent_start, carrying)
         done_col = done[:, None]

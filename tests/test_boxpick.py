@@ -423,3 +423,25 @@ def test_render_shows_every_cell_kind():
     first = text.splitlines()[0]
     assert first.split()[:4] == ["A", "#", "o", "@"]
     assert len(text.splitlines()) == 6
+
+
+@pytest.mark.parametrize("variant", ["Exact-4", "Generalize-4-1"])
+def test_a_compiled_step_is_one_graph_after_its_single_random_draw(variant):
+    """torch.compile cannot trace a draw from an explicit torch.Generator, and every such draw split the step
+    into pieces that recompiled per env (dynamo's recompile limit, issue 14). The step now makes one draw for all
+    its randomness, first, so the rest compiles as one graph."""
+    torch._dynamo.reset()
+    env = BoxPickVecEnv(8, variant=variant, seed=0, check_actions=False)
+    env.reset()
+    explanation = torch._dynamo.explain(env.step)(torch.zeros(8, dtype=torch.long))
+    assert explanation.graph_break_count <= 1, [str(b.reason)[:200] for b in explanation.break_reasons]
+
+
+def test_tasks_are_a_pure_function_of_the_noise():
+    """Same noise, same tasks; the draw is the only randomness (so a seeded env replays its task stream)."""
+    env = BoxPickVecEnv(64, variant="Exact-4", seed=0)
+    noise = env._task_noise(64)
+    first, second = env.sample_tasks(64, noise), env.sample_tasks(64, noise.clone())
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    assert not torch.equal(env.sample_tasks(64)[0], first[0])
