@@ -1,5 +1,4 @@
-"""FlexLoop post-training of an IRU GC-DQN on BoxPick (one file, CleanRL style).
-
+"""FlexLoop post-training of an IRU GC-DQN on BoxPick (one file, CleanRL style):
     python flexloop_gcdqn.py --lambda-depth 1.0                        # pretrain IRU-5, then FlexLoop
     python flexloop_gcdqn.py --init-checkpoint runs/X/pretrained.pt   # FlexLoop from a pretrained IRU-5
 
@@ -17,6 +16,7 @@ The paper's ablations and variants (§5.4, appendix C; REFERENCE.md §5) are fla
 """
 
 import contextlib
+import copy
 import io
 import json
 import math
@@ -47,7 +47,7 @@ from envs.boxpick import NUM_ACTIONS, NUM_CELLS, NUM_CODES, goal_reached
 @dataclass
 class ExperimentArgs:
     """experiment and logging"""
-    exp_name: str = "flexloop_gcdqn"
+    exp_name: str = Path(__file__).stem
     """the name of this experiment (part of the run name)"""
     seed: int = 1
     """seed of the experiment"""
@@ -68,9 +68,9 @@ class ExperimentArgs:
     resume: Optional[str] = None
     """continue the run whose checkpoint is at this path (its run folder, flags and W&B id are reused)"""
     log_every: int = 10
-    """log training metrics every this many intervals"""
+    """log training metrics every this many iterations"""
     save_every: int = 10
-    """write the latest checkpoint every this many intervals"""
+    """write the latest checkpoint every this many iterations"""
     save_every_minutes: float = 15.0
     """also write it every this many minutes, between updates (0: never)"""
     debug: bool = False
@@ -90,65 +90,65 @@ class EnvironmentArgs:
 
 @dataclass
 class NetworkArgs:
-    """network: the IRU Q-network"""
+    """network"""
     depth: int = 5
     """K, the number of recurrent steps of the IRU"""
+    iru_variant: Literal["residual", "paper"] = "residual"
+    """residual: the public code (gates and heads read h = sum tanh(c)); paper: the paper's equation (tanh(c), c)"""
+    backbone: Literal["iru", "lstm"] = "iru"
+    """iru: the IRU cell; lstm: an LSTM cell unrolled over depth (the paper's backbone ablation, §5.4)"""
     hidden_dim: int = 256
-    """IRU width d"""
+    """IRU width d of each critic (LSTM-184: --backbone lstm --hidden-dim 184, about IRU-256's parameters)"""
     num_critics: int = 2
     """ensemble size"""
-    iru_variant: Literal["residual", "paper"] = "residual"
-    """residual: the public code (gates and head read h = sum tanh(c)); paper: the paper's equation (tanh(c), c)"""
     obs_encoding: Literal["codes", "onehot"] = "codes"
     """codes: the 36 cell codes as numbers (the reference); onehot: 36 x 12 one-hot cells (learns faster)"""
-    backbone: Literal["iru", "lstm"] = "iru"
-    """iru: the IRU cell; lstm: an LSTM cell unrolled over depth (the paper's LSTM-256 and LSTM-184 backbones)"""
 
 
 @dataclass
 class AlgorithmArgs:
     """algorithm: GC-DQN"""
+    pretrain_epochs: int = 50
+    """IRU-K pretraining epochs (lambda = 0) when no --init-checkpoint is given"""
+    num_epochs: int = 10
+    """FlexLoop post-training epochs"""
+    intervals_per_epoch: int = 100
+    """iterations (collect + update rounds) per epoch"""
+    num_envs: int = 1024
+    """parallel envs; each iteration collects one episode per env"""
+    updates_per_rollout: int = 1000
+    """gradient updates after each collected episode"""
+    batch_size: int = 1024
+    """transitions per update, one from each of batch_size distinct envs"""
     learning_rate: float = 3e-4
     """Adam learning rate (critic and temperature)"""
-    gamma: float = 0.99
-    """discount"""
     tau: float = 0.005
     """Polyak rate of the target network, applied every update"""
     init_alpha: float = 1.0
     """initial exploration temperature alpha (actions ~ softmax(Q / alpha))"""
     target_entropy: float = -1.1
     """alpha's loss is (H + target_entropy)^2: drives the policy entropy to -target_entropy nats"""
-    num_envs: int = 1024
-    """parallel envs; each interval collects one episode per env"""
-    batch_size: int = 1024
-    """transitions per update, one from each of batch_size distinct envs"""
-    updates_per_rollout: int = 1000
-    """gradient updates after each collected episode"""
-    intervals_per_epoch: int = 100
-    """collect + update rounds per epoch"""
-    pretrain_epochs: int = 50
-    """IRU-K pretraining epochs (lambda = 0) when no --init-checkpoint is given"""
-    num_epochs: int = 10
-    """FlexLoop post-training epochs"""
     replay_episodes: int = 100
     """episodes kept per env (100 x 100 steps = the reference's 10,000 steps per env)"""
     future_goal_fraction: float = 0.5
     """share of the batch relabelled with a future state of its episode (the rest: another sample's state)"""
     future_discount: float = 0.99
     """future-goal offsets j > 0 have probability proportional to future_discount^j"""
+    gamma: float = 0.99
+    """discount"""
 
 
 @dataclass
 class FlexLoopArgs:
     """FlexLoop: the depth loss and where post-training starts"""
-    lambda_depth: float = 1.0
-    """weight of the adjacent-depth KL (0 = plain IRU-K training)"""
-    policy_temperature: float = 0.25
-    """tau in pi_k = softmax(Q_k / tau)"""
     depth_target: Literal["adjacent", "final"] = "adjacent"
     """adjacent: KL(sg[pi_{k+1}] || pi_k) (FlexLoop); final: every depth distilled from depth K, KL(sg[pi_K] || pi_k)"""
     init_checkpoint: Optional[str] = None
     """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining)"""
+    lambda_depth: float = 1.0
+    """weight of the adjacent-depth KL (0 = plain IRU-K training)"""
+    policy_temperature: float = 0.25
+    """tau in pi_k = softmax(Q_k / tau)"""
     ablation: Literal["none", "distill-only", "anyk-td"] = "none"
     """the FlexLoop phase's TD term: none = at depth K; distill-only = no TD loss (the KL alone, from the pretrained
     weights); anyk-td = at every depth, averaged. Self-TD Only is --lambda-depth 0. Pretraining is never changed"""
@@ -162,10 +162,10 @@ class FlexLoopArgs:
 @dataclass
 class EvaluationArgs:
     """evaluation"""
-    eval_every: int = 100
-    """evaluate every depth on both splits every this many intervals (and at the end of each phase)"""
     num_eval_envs: int = 1024
-    """envs per split for evaluation (one episode each)"""
+    """envs per split for evaluation (one episode each, actions sampled as in training)"""
+    eval_every: int = 100
+    """evaluate every depth on both splits every this many iterations (and at the end of each phase)"""
 
 
 @dataclass
@@ -189,11 +189,11 @@ class Args(PerformanceArgs, EvaluationArgs, FlexLoopArgs, AlgorithmArgs, Network
 
 
 # What the run plumbing (below) needs to know about this script.
-ALGORITHM = "gcdqn"
 ENV_FLAG = "env_id"  # the flag naming the env: run names, checkpoints and --init-checkpoint checks read it
+RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug")  # --resume takes these as given
+ALGORITHM = "gcdqn"
 NETWORK_FLAGS = ("depth", "hidden_dim", "num_critics", "iru_variant", "obs_encoding", "backbone")  # an init must match
 CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in a checkpoint
-RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug")  # --resume takes these as given
 GPU_SIZED_FLAGS = ("num_envs", "batch_size", "updates_per_rollout", "hidden_dim")  # their defaults need a GPU
 PRETRAINING_ONLY = dict(lambda_depth=0.0, num_epochs=0, init_checkpoint=None, teacher_checkpoint=None)  # iru_pretrain
 
@@ -204,8 +204,10 @@ def check_args(args: Args):
         raise ValueError(f"--depth must be at least 2 for FlexLoop's adjacent-depth loss, got {args.depth}")
     if args.lambda_depth < 0:
         raise ValueError(f"--lambda-depth must be >= 0, got {args.lambda_depth}")
-    if args.policy_temperature <= 0:
-        raise ValueError(f"--policy-temperature must be > 0, got {args.policy_temperature}")
+    if args.resume and args.init_checkpoint:
+        raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
+    if args.backbone == "lstm" and args.iru_variant != "residual":
+        raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
     if args.env_id not in envs.BOXPICK_IDS:
         raise ValueError(f"--env-id {args.env_id!r} is not a BoxPick env; choose one of {list(envs.BOXPICK_IDS)}")
     for name in ["num_envs", "batch_size", "updates_per_rollout", "intervals_per_epoch", "replay_episodes",
@@ -213,6 +215,8 @@ def check_args(args: Args):
                  "episode_length"]:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.policy_temperature <= 0:
+        raise ValueError(f"--policy-temperature must be > 0, got {args.policy_temperature}")
     if args.batch_size > args.num_envs:
         raise ValueError(f"--batch-size {args.batch_size} exceeds --num-envs {args.num_envs}: each batch takes one "
                          "transition from each of batch_size distinct envs; lower --batch-size or raise --num-envs")
@@ -226,10 +230,6 @@ def check_args(args: Args):
     if pretraining + args.num_epochs == 0 and not args.resume:
         raise ValueError("nothing to train: --num-epochs is 0 and there is no pretraining phase "
                          "(--pretrain-epochs 0, or --init-checkpoint / --teacher-checkpoint skips it)")
-    if args.resume and args.init_checkpoint:
-        raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
-    if args.backbone == "lstm" and args.iru_variant != "residual":
-        raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
     if args.ablation == "distill-only" and args.lambda_depth == 0:
         raise ValueError("--ablation distill-only with --lambda-depth 0 trains nothing; give a positive --lambda-depth")
     if args.bellman_weight < 0:
@@ -245,7 +245,7 @@ def check_args(args: Args):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# ALGO LOGIC: network. The IRU Q-network: an ensemble of IRUs evaluated as one batched matmul per layer.
+# ALGO LOGIC: network
 # ---------------------------------------------------------------------------------------------------------
 class EnsembleLinear(nn.Module):
     """num_members independent Linear layers applied to (members, rows, in_features)."""
@@ -280,18 +280,18 @@ class IRUQNetwork(nn.Module):
         h     = h + tanh(c)                              (residual across steps)
         Q_k   = Head(h)                                  (paper variant: Head(c))
 
-    All 6 actions of a state go through at once: the embedding's action part is a row of the weight, so
-    Linear(concat[s, g, onehot(a)]) = Linear_sg(concat[s, g]) + W_a[a], computed once per state.
-
     Depth protocol (shared with the other scripts and eval_adaptive.py):
         state = start(obs, goal)          depth 0, zero recurrent state
         state = advance(state)            depth k -> k + 1
-        logits = decide(state)            pi_k's logits, Q_k / tau
-        all_depths(obs, goal)             Q of every depth at once, (K, critics, batch, actions)
         divergence(p_logits, q_logits)    KL(p || q) per row: the training loss and delta_k at inference
         gather(state, rows)               the recurrent state of some batch rows (adaptive inference)
+        logits = decide(state)            pi_k's logits, Q_k / tau
+        all_depths(obs, goal)             Q of every depth at once, (K, critics, batch, actions)
         act(logits, generator)            actions from pi_k's logits, sampled as in training
     The state is a tuple of tensors shaped (critics, batch, actions, d).
+
+    All 6 actions of a state go through at once: the embedding's action part is a row of the weight, so
+    Linear(concat[s, g, onehot(a)]) = Linear_sg(concat[s, g]) + W_a[a], computed once per state.
     """
 
     def __init__(self, depth=5, hidden_dim=256, num_critics=2, variant="residual", policy_temperature=0.25,
@@ -336,7 +336,7 @@ class IRUQNetwork(nn.Module):
         return x_emb, c, h
 
     def readout(self, state):
-        """The recurrent feature the head reads: h (paper variant: c), (E, B, A, d)."""
+        """The recurrent feature the heads read: h (paper variant: c)."""
         _, c, h = state
         return h if self.variant == "residual" else c
 
@@ -439,7 +439,7 @@ def load_teacher(args, device):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# ALGO LOGIC: losses. TD at depth K (or every depth, or none), the depth KL, the from-scratch Bellman refinement.
+# ALGO LOGIC: losses
 # ---------------------------------------------------------------------------------------------------------
 LOSS_NAMES = ("losses/td_loss", "losses/depth_kl", "losses/alpha_loss", "charts/policy_entropy",
               "losses/bellman_loss")  # flexloop_losses' terms: metrics, NaN checks and checkpoints read these
@@ -542,7 +542,7 @@ def make_update(args, network, target_network, optimizer, replay, generator, lam
 
 
 # ---------------------------------------------------------------------------------------------------------
-# ALGO LOGIC: data. Replay: per-env trajectories on the device, relabelled with future and random goals.
+# ALGO LOGIC: data
 # ---------------------------------------------------------------------------------------------------------
 class TrajectoryReplay:
     """Episodes stored per env as int8 grids: observations (envs, episodes, L + 1, 36) and actions.
@@ -602,6 +602,17 @@ class TrajectoryReplay:
 # ---------------------------------------------------------------------------------------------------------
 # Collection and per-depth evaluation
 # ---------------------------------------------------------------------------------------------------------
+def make_envs(args, device):
+    """One vector env for collection, and one per split for evaluation, each with its own seeded task stream."""
+    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=args.seed, split="train",
+                        episode_length=args.episode_length, quarter_filter=args.quarter_filter,
+                        check_actions=False).unwrapped
+    eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, seed=args.seed + 1000 + i,
+                                      split=split, episode_length=args.episode_length, check_actions=False).unwrapped
+                 for i, split in enumerate(["train", "unseen"])}
+    return env, eval_envs
+
+
 @torch.no_grad()
 def act_at_depth(network, obs, goal, depth, generator):
     state = network.start(obs, goal)
@@ -1060,8 +1071,9 @@ class Run:
     def running(self):
         return self.iteration < self.total_iterations and self.stop.reason is None
 
-    def graphed(self, fn, generators):
-        """fn replayed from a CUDA graph with --cuda-graph on a GPU; fn itself otherwise."""
+    def graphed(self, fn, generators, *args):
+        """fn(*args) replayed from a CUDA graph with --cuda-graph on a GPU, eager otherwise."""
+        fn = partial(fn, *args)
         return capture_cuda_graph(fn, generators) if self.cuda_graph else fn
 
     def graphed_update(self, update, generators):
@@ -1186,31 +1198,22 @@ class Run:
 def train(args: Args):
     run = Run(args)  # the flags checked (a resumed run's own), checkpoints read, the device picked, seeds set
     args, device = run.args, run.device
-    teacher = load_teacher(args, device) if args.teacher_checkpoint else None
-
-    # Envs: one for collection, one per split for evaluation, each with its own seeded task stream.
-    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=args.seed, split="train",
-                        episode_length=args.episode_length, quarter_filter=args.quarter_filter,
-                        check_actions=False).unwrapped
-    eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, seed=args.seed + 1000 + i,
-                                      split=split, episode_length=args.episode_length, check_actions=False).unwrapped
-                 for i, split in enumerate(["train", "unseen"])}
+    env, eval_envs = make_envs(args, device)
     generators = {"actions": torch.Generator(device).manual_seed(args.seed),
                   "replay": torch.Generator(device).manual_seed(args.seed + 1),
                   "eval": torch.Generator(device).manual_seed(args.seed + 2),
                   "env": env.generator, **{f"env_{s}": e.generator for s, e in eval_envs.items()}}
-
     network = build_network(args, device)
     if run.init is not None:
         network.load_state_dict(run.init["model"])
-    target_network = build_network(args, device).requires_grad_(False)
-    target_network.load_state_dict(network.state_dict())
+    target_network = copy.deepcopy(network).requires_grad_(False)
+    teacher = load_teacher(args, device) if args.teacher_checkpoint else None  # FlexLoop from scratch
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=device.type == "cuda")
     replay = TrajectoryReplay(args.num_envs, args.replay_episodes, args.episode_length, device,
                               args.future_goal_fraction, args.future_discount)
     lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
-    td_weights = torch.zeros(args.depth, device=device)  # the TD loss's weight per depth, set per phase
     loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
+    td_weights = torch.zeros(args.depth, device=device)  # the TD loss's weight per depth, set per phase
     update = make_update(args, network, target_network, optimizer, replay, generators["replay"], lambda_depth,
                          loss_sums, td_weights, teacher)
     if args.compile and device.type == "cuda":
@@ -1223,12 +1226,12 @@ def train(args: Args):
               ("flexloop", args.num_epochs * args.intervals_per_epoch, args.lambda_depth)]
     phase_td_weights = {"pretrain": torch.tensor(td_depth_weights("none", args.depth), device=device),
                         "flexloop": torch.tensor(td_depth_weights(args.ablation, args.depth), device=device)}
-    run.begin(phases, {"model": network, "target_model": target_network, "optimizer": optimizer}, generators,
-              loss_sums, steps_per_iteration=args.num_envs * args.episode_length,
+    parts = {"model": network, "target_model": target_network, "optimizer": optimizer}
+    run.begin(phases, parts, generators, loss_sums, steps_per_iteration=args.num_envs * args.episode_length,
               updates_per_iteration=args.updates_per_rollout, progress="updates")
     # One training episode in every env at full depth, replayed from a CUDA graph on a GPU.
-    collect = run.graphed(partial(run_episode, network, env, args.depth, generators["actions"]),
-                          [generators["actions"], env.generator])
+    collect = run.graphed(run_episode, [generators["actions"], env.generator], network, env, args.depth,
+                          generators["actions"])
     graphed_update = None
 
     with run:
