@@ -766,8 +766,8 @@ def upgrade_checkpoint(checkpoint):
     update each) and did not name its script. Read it as the current format."""
     if checkpoint.get("format") == OLD_CHECKPOINT_FORMAT:
         checkpoint = {**checkpoint, "format": CHECKPOINT_FORMAT}
-        checkpoint.setdefault("script", f"flexloop_{checkpoint.get('algorithm')}")
         checkpoint.setdefault("iteration", checkpoint.pop("interval", checkpoint.get("global_step", 0)))
+    checkpoint.setdefault("script", f"flexloop_{checkpoint.get('algorithm')}")
     checkpoint.setdefault("iteration_updates", 0)
     return checkpoint
 
@@ -1077,7 +1077,7 @@ class Run:
                    "charts/updates": self.updates, **dict(zip(LOSS_NAMES, self.loss_sums / max(updates, 1))),
                    "charts/SPS": int(steps / max(self.train_seconds, 1e-9)),
                    "charts/updates_per_second": updates / max(self.train_seconds, 1e-9), **metrics}
-        check_finite(metrics, self.updates)
+        check_finite({name: metrics[name] for name in LOSS_NAMES}, self.updates)
         self.loss_sums.zero_()
         self.last_metrics = self.metrics_log.write(metrics, self.global_step)
         self.progress.set_postfix({name.split("/")[-1]: f"{self.last_metrics[name]:.3g}" for name in LOSS_NAMES[:2]})
