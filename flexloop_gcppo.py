@@ -743,11 +743,11 @@ def read_checkpoint_file(path):
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         head = path.read_bytes()[:4096]
-        code = re.findall(r"Unsupported global: GLOBAL (\S+)", str(error))
-        code = code or ([] if zipfile.is_zipfile(path) else pickled_globals(path))
+        code = re.findall(r"GLOBAL ([\w.]+)", str(error))  # torch names the callable it refused
+        code = code or [name for name in pickled_globals(path) if not name.startswith(("torch.", "collections."))]
         if code:
-            why = (f"was refused because it can run code when loaded (it names {code[0]}), and it was not loaded. "
-                   "Do not load this file: use a checkpoint that a FlexLoop script wrote")
+            why = (f"was refused, and not loaded, because it can run code when loaded (it calls {code[0]}). Do not "
+                   "load this file: use a checkpoint that a FlexLoop script wrote")
         elif not head:
             why = "is empty, not a FlexLoop checkpoint; use an earlier checkpoint (latest.pt, pretrained.pt)"
         elif zipfile.is_zipfile(path) or head.startswith(b"PK"):
@@ -956,7 +956,8 @@ class Run:
                                                                                        "updates"))
             self.iteration_updates = checkpoint["iteration_updates"]
             self.last_metrics, self.wandb_id = checkpoint.get("metrics", {}), checkpoint.get("wandb_id")
-            print(f"resuming {self.name} at iteration {self.iteration}/{self.total_iterations}, update {self.updates}")
+            print(f"resuming {self.name} at iteration {self.iteration}/{self.total_iterations}, update {self.updates} "
+                  "(what checkpoints do not hold starts afresh: the replay refills, the envs start new episodes)")
         self.wandb_run = None
         if args.track:
             import wandb

@@ -305,7 +305,7 @@ def test_hostile_and_broken_checkpoints_are_refused(tmp_path):
 
     hostile = tmp_path / "hostile.pt"
     torch.save({"format": gcdqn.CHECKPOINT_FORMAT, "x": Payload()}, hostile)
-    with pytest.raises(ValueError, match="refused because it can run code") as refused:
+    with pytest.raises(ValueError, match="because it can run code when loaded") as refused:
         gcdqn.load_checkpoint(hostile)
     assert "weights_only" not in str(refused.value) and "Re-running" not in str(refused.value)
     truncated = tmp_path / "truncated.pt"
