@@ -136,7 +136,10 @@ def test_table_matches_eval_envs():
 
 
 def test_sampler_on_generated_data(data_dir):
-    ds = od.load_dataset(PM, dataset_dir=str(data_dir), download=False)
+    from flexloop_gciql import DATASET_HYPERPARAMETERS  # the actor's goal probabilities live with GC-IQL
+
+    ds = od.load_dataset(PM, dataset_dir=str(data_dir), download=False,
+                         actor_goals=DATASET_HYPERPARAMETERS[PM].actor_goals)
     n = 200_000
     b = ds.sample(n, _gen(0), return_goal_kind=True)
     idx, vg, ag = b["idxs"], b["value_goal_idxs"], b["actor_goal_idxs"]
