@@ -310,15 +310,18 @@ class IRUQNetwork(nn.Module):
         # The exploration temperature travels with the network so evaluation acts exactly as training did.
         self.log_alpha = nn.Parameter(torch.tensor(math.log(init_alpha)))
 
-    def start(self, obs, goal):
-        batch = obs.shape[0]
+    def start(self, obs, goal, action=None):
+        """Depth 0 for all actions, or with `action` (B,) for that action alone: (critics, batch, 1, d)."""
         state_goal = torch.cat([obs, goal], -1)
         if self.obs_encoding == "onehot":
             state_goal = F.one_hot(state_goal.long(), NUM_CODES).flatten(1)
         state_goal = state_goal.float()  # by default the codes as numbers, as in the reference
         sg_weight, action_weight = self.embed.weight[:, :-self.num_actions], self.embed.weight[:, -self.num_actions:]
         x = torch.baddbmm(self.embed.bias, state_goal.expand(self.num_critics, -1, -1), sg_weight)  # (E, B, d)
-        x = x[:, :, None, :] + action_weight[:, None, :, :]  # (E, B, A, d)
+        if action is None:
+            x = x[:, :, None, :] + action_weight[:, None, :, :]  # (E, B, A, d)
+        else:
+            x = (x + action_weight[:, action])[:, :, None, :]  # (E, B, 1, d)
         x_emb = self.embed_norm(x.reshape(self.num_critics, -1, self.hidden_dim)).view_as(x)
         zeros = torch.zeros_like(x_emb)
         return x_emb, zeros, zeros  # (x_emb, c, h)
@@ -341,20 +344,31 @@ class IRUQNetwork(nn.Module):
         return h if self.variant == "residual" else c
 
     def q_values(self, state):
-        """Q of the current depth for every critic: (E, B, A)."""
+        """Q of the current depth for every critic: (E, B, A). Read out in float32 also under --bf16: the Q
+        values feed the TD target and a softmax at a small temperature, where bf16's 3 digits would show."""
         readout = self.readout(state)
-        return self.head(readout.reshape(self.num_critics, -1, self.hidden_dim)).view(readout.shape[:-1])
+        with torch.autocast(readout.device.type, enabled=False):
+            q = self.head(readout.float().reshape(self.num_critics, -1, self.hidden_dim))
+        return q.view(readout.shape[:-1])
 
     def decide(self, state):
         return self.q_values(state).mean(0) / self.policy_temperature
 
-    def all_depths(self, obs, goal):
-        state = self.start(obs, goal)
+    def all_depths(self, obs, goal, action=None):
+        """Q of every depth, (K, E, B, A); with `action` (B,), Q at that action alone, (K, E, B, 1)."""
+        state = self.start(obs, goal, action)
         q_per_depth = []
         for _ in range(self.depth):
             state = self.advance(state)
             q_per_depth.append(self.q_values(state))
-        return torch.stack(q_per_depth)  # (K, E, B, A)
+        return torch.stack(q_per_depth)
+
+    def final_depth(self, obs, goal):
+        """Q of depth K alone, (E, B, A): what a TD target reads, without the shallower heads."""
+        state = self.start(obs, goal)
+        for _ in range(self.depth):
+            state = self.advance(state)
+        return self.q_values(state)
 
     @staticmethod
     def divergence(p_logits, q_logits):
@@ -456,12 +470,16 @@ def flexloop_depth_loss(q_per_depth, policy_temperature, target="adjacent"):
     return kl.mean()
 
 
-def per_depth_td_loss(q_per_depth, action, y):
-    """TD_k = sum over critics of mean_batch (Q_k(s, g, a) - y)^2, for every depth: (K,). y is (B,), or one
-    target per depth (K, 1, B)."""
-    rows = torch.arange(action.shape[0], device=action.device)
-    q_taken = q_per_depth[:, :, rows, action]  # (K, E, B)
+def per_depth_td_loss(q_taken, y):
+    """TD_k = sum over critics of mean_batch (Q_k(s, g, a) - y)^2, for every depth: (K,). q_taken is Q at the
+    taken action, (K, E, B); y is (B,), or one target per depth (K, 1, B)."""
     return ((q_taken - y) ** 2).mean(-1).sum(-1)
+
+
+def taken_action(q_per_depth, action):
+    """Q at each row's taken action, (K, E, B, A) -> (K, E, B)."""
+    rows = torch.arange(action.shape[0], device=action.device)
+    return q_per_depth[:, :, rows, action]
 
 
 def td_depth_weights(ablation, depth):
@@ -472,15 +490,15 @@ def td_depth_weights(ablation, depth):
     return [0.0] * (depth - 1) + [0.0 if ablation == "distill-only" else 1.0]
 
 
-def bellman_refinement_loss(q_per_depth, action, target_q_next, reward, gamma):
+def bellman_refinement_loss(q_taken, target_q_next, reward, gamma):
     """Appendix C.1: mean_{k=1..K-2} of TD(Q_{k+1}(s, g, a), sg[y_k]), y_k = r + gamma * max_a' mean_critics
     Q_target,k(s', g, a'): each extra step refines the target network's previous depth by one Bellman backup.
     The paper's rho is taken to be the squared error of the TD loss. Zero when K = 2 (no such depths)."""
-    depth = q_per_depth.shape[0]
+    depth = q_taken.shape[0]
     if depth < 3:
-        return q_per_depth.new_zeros(())
+        return q_taken.new_zeros(())
     y = reward + gamma * target_q_next[:depth - 2].mean(1).max(-1).values  # (K-2, B): y_1 .. y_{K-2}
-    return per_depth_td_loss(q_per_depth[1:depth - 1], action, y[:, None]).mean()
+    return per_depth_td_loss(q_taken[1:depth - 1], y[:, None]).mean()
 
 
 def td_target(target_q_next, rewards, gamma):
@@ -488,7 +506,8 @@ def td_target(target_q_next, rewards, gamma):
     return rewards + gamma * target_q_next.mean(0).max(-1).values
 
 
-def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weights, teacher=None):
+def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weights, teacher=None,
+                    all_action_gradients=True):
     """The loss of one update on a batch and its terms by LOSS_NAMES, as device tensors (no host sync):
 
         td        sum_k w_k TD_k with w = td_weights (K,) and the target y = r + gamma * max_a' mean_critics
@@ -497,19 +516,32 @@ def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weigh
         bellman   the inter-depth Bellman refinement on depths 1..K-2 (with a teacher only; else 0)
         alpha     the temperature loss (entropy: a statistic)
     and the loss td + lambda_depth * depth_kl + bellman_weight * bellman + alpha.
+
+    Only the depth KL needs gradients at all 6 actions. With all_action_gradients=False (a phase with
+    lambda_depth = 0) the online critic runs as the reference's dqn_interp.py runs it: with gradient at the
+    taken action alone, and over all 6 actions without gradient for the temperature's entropy (and the KL,
+    then a statistic). The loss and its gradient are the same; the backward pass is 6x smaller.
     """
     autocast = lambda: torch.autocast(batch["obs"].device.type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
+    obs, goal, action = batch["obs"], batch["goal"], batch["action"]
     with torch.no_grad(), autocast():
-        target_q_next = target_network.all_depths(batch["next_obs"], batch["goal"]).float()  # (K, E, B, A)
-        bootstrap_q = target_q_next[-1] if teacher is None else \
-            teacher.all_depths(batch["next_obs"], batch["goal"])[-1].float()  # only the teacher's outputs
+        bootstrap_q = target_network.final_depth(batch["next_obs"], goal) if teacher is None else \
+            teacher.final_depth(batch["next_obs"], goal)  # only the teacher's outputs
     y = td_target(bootstrap_q, batch["reward"], args.gamma)
-    with autocast():
-        q_per_depth = network.all_depths(batch["obs"], batch["goal"]).float()  # (K, E, B, A)
-    td = (td_weights * per_depth_td_loss(q_per_depth, batch["action"], y)).sum()
+    with torch.set_grad_enabled(all_action_gradients and torch.is_grad_enabled()), autocast():
+        q_per_depth = network.all_depths(obs, goal)  # (K, E, B, A)
+    if all_action_gradients:
+        q_taken = taken_action(q_per_depth, action)  # (K, E, B)
+    else:
+        with autocast():
+            q_taken = network.all_depths(obs, goal, action)[..., 0]
+    td = (td_weights * per_depth_td_loss(q_taken, y)).sum()
     depth_kl = flexloop_depth_loss(q_per_depth, args.policy_temperature, args.depth_target)
-    bellman = q_per_depth.new_zeros(()) if teacher is None else \
-        bellman_refinement_loss(q_per_depth, batch["action"], target_q_next, batch["reward"], args.gamma)
+    bellman = q_taken.new_zeros(())
+    if teacher is not None:  # the student's own target network, every depth, for the inter-depth Bellman loss
+        with torch.no_grad(), autocast():
+            target_q_next = target_network.all_depths(batch["next_obs"], goal)
+        bellman = bellman_refinement_loss(q_taken, target_q_next, batch["reward"], args.gamma)
     # Temperature: push the entropy of softmax(Q_K / alpha) towards -target_entropy.
     q_full = q_per_depth[-1].mean(0).detach()
     log_policy = F.log_softmax(q_full / network.log_alpha.exp(), -1)
@@ -520,25 +552,27 @@ def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weigh
 
 
 def make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums,
-                td_weights=None, teacher=None):
+                td_weights=None, teacher=None, all_action_gradients=True):
     """One update: sample a relabelled batch, the losses of `flexloop_losses`, Adam, Polyak. No host sync,
     fixed shapes: it can be captured in a CUDA graph. lambda_depth and td_weights are device tensors filled
-    per phase (td_weights defaults to depth K alone); the teacher is only ever read."""
+    per phase (td_weights defaults to depth K alone); the teacher is only ever read. all_action_gradients=False
+    is the faster update of a phase whose lambda_depth is 0 (see `flexloop_losses`)."""
     if td_weights is None:
         td_weights = torch.tensor(td_depth_weights("none", args.depth), device=lambda_depth.device)
 
     def update():
         batch = replay.sample(args.batch_size, generator)
-        loss, terms = flexloop_losses(network, target_network, batch, args, lambda_depth, td_weights, teacher)
+        loss, terms = flexloop_losses(network, target_network, batch, args, lambda_depth, td_weights, teacher,
+                                      all_action_gradients)
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
         optimizer.step()
         with torch.no_grad():
             torch._foreach_lerp_(list(target_network.parameters()), list(network.parameters()), args.tau)
             loss_sums.add_(torch.stack([terms[name] for name in LOSS_NAMES]).detach())
+        return batch  # (static outputs when captured: the test that each replay draws a fresh batch reads them)
 
     return update
-
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1215,10 +1249,6 @@ def train(args: Args):
     lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
     loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
     td_weights = torch.zeros(args.depth, device=device)  # the TD loss's weight per depth, set per phase
-    update = make_update(args, network, target_network, optimizer, replay, generators["replay"], lambda_depth,
-                         loss_sums, td_weights, teacher)
-    if args.compile and device.type == "cuda":
-        update = torch.compile(update)
 
     # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network or a teacher was given, then FlexLoop,
     # whose TD term is as --ablation says.
@@ -1233,7 +1263,7 @@ def train(args: Args):
     # One training episode in every env at full depth, replayed from a CUDA graph on a GPU.
     collect = run.graphed(run_episode, [generators["actions"], env.generator], network, env, args.depth,
                           generators["actions"])
-    graphed_update = None
+    updates_by_phase = {}  # one update per phase: a phase with lambda = 0 needs no gradient at untaken actions
 
     with run:
         while run.running():
@@ -1243,9 +1273,13 @@ def train(args: Args):
             observations, actions, lengths, success, _ = collect()
             replay.add(observations, actions, lengths)
 
-            graphed_update = graphed_update or run.graphed_update(update, [generators["replay"]])
+            if phase not in updates_by_phase:  # made at the phase's first iteration, once the replay holds data
+                update = make_update(args, network, target_network, optimizer, replay, generators["replay"],
+                                     lambda_depth, loss_sums, td_weights, teacher, all_action_gradients=lam > 0)
+                update = torch.compile(update) if args.compile and device.type == "cuda" else update
+                updates_by_phase[phase] = run.graphed_update(update, [generators["replay"]])
             for _ in run.update_steps(args.updates_per_rollout):
-                graphed_update()
+                updates_by_phase[phase]()
             if not run.end_iteration():
                 break  # stopped mid-iteration (SIGTERM, Ctrl-C): finish() writes latest.pt
 

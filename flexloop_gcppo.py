@@ -116,7 +116,23 @@ class AlgorithmArgs:
     gae_lambda: float = 0.95
     """lambda of generalised advantage estimation"""
     norm_adv: bool = True
-    """normalise the advantages per minibatch"""
+    """normalise the advantages (where: --advantage-norm)"""
+    advantage_norm: Literal["minibatch", "rollout"] = "minibatch"
+    """with --norm-adv: per minibatch (CleanRL; ours) or once over the whole rollout before the epochs
+    (the authors' lightsout/ppo.py)"""
+    minibatch_layout: Literal["rows", "time-rows"] = "rows"
+    """rows: random (step, env) rows (CleanRL; ours); time-rows: whole time steps of all envs, num_steps /
+    num_minibatches steps per minibatch, reshuffled every epoch (the authors' code: 5 steps x 2048 envs)"""
+    obs_norm_update: Literal["after-epochs", "before-epochs"] = "after-epochs"
+    """when the running obs normaliser takes in a rollout: after its update epochs (ours: each update's first
+    ratio is exactly 1), or before them and before the bootstrap values of GAE (the authors' code)"""
+    timeout_bootstrap: Literal["value", "zero"] = "value"
+    """a step truncated at max_episode_steps bootstraps from V(final obs) (ours; the value cannot see the clock),
+    or from 0, as at a success (the authors' code in effect: its auto-reset wrapper replaces the state's info with
+    the reset's, so the `truncation` flag its GAE reads is always 0 and a time-out counts as a termination)"""
+    hard_reset_every: int = 0
+    """every this many iterations, reset every env to a fresh task, cutting the episodes in flight; the obs
+    normaliser is kept (0: never, ours; the authors' code: 3, from num_reset_steps = 50 over 152 iterations)"""
     clip_coef: float = 0.3
     """PPO's surrogate clipping coefficient (also clips the value change when clip_vloss)"""
     clip_vloss: bool = True
@@ -215,6 +231,11 @@ def check_args(args: Args):
         if steps < 0 or 0 < steps < batch_size:
             raise ValueError(f"--{name.replace('_', '-')} must be 0 or at least one rollout "
                              f"(num_envs x num_steps = {batch_size}), got {steps}")
+    if args.minibatch_layout == "time-rows" and args.num_steps % args.num_minibatches:
+        raise ValueError(f"--minibatch-layout time-rows needs --num-minibatches {args.num_minibatches} to divide "
+                         f"--num-steps {args.num_steps} (whole time steps per minibatch); pick a divisor")
+    if args.hard_reset_every < 0:
+        raise ValueError(f"--hard-reset-every must be 0 (never) or positive, got {args.hard_reset_every}")
     if args.pretrain_timesteps == 0 and args.total_timesteps == 0:
         raise ValueError("both --pretrain-timesteps and --total-timesteps are 0: nothing to train")
     if args.init_checkpoint is None and args.pretrain_timesteps == 0 and not args.resume:
@@ -438,7 +459,8 @@ def flexloop_losses(network, minibatch, args, lambda_depth):
     logits, values = network.all_depths(minibatch["obs"], minibatch["goal"])  # (K, B, A), (K, B)
     policy_loss, value_loss, entropy, approx_kl, clipfrac = ppo_loss(
         logits[-1], values[-1], minibatch["actions"], minibatch["logprobs"], minibatch["values"],
-        minibatch["advantages"], minibatch["value_targets"], args.clip_coef, args.clip_vloss, args.norm_adv)
+        minibatch["advantages"], minibatch["value_targets"], args.clip_coef, args.clip_vloss,
+        args.norm_adv and args.advantage_norm == "minibatch")
     depth_kl = flexloop_depth_loss(logits, args.depth_target)
     loss = policy_loss - args.ent_coef * entropy + args.vf_coef * value_loss + lambda_depth * depth_kl
     return loss, dict(zip(LOSS_NAMES, (policy_loss, value_loss, entropy, depth_kl, approx_kl, clipfrac)))
@@ -500,10 +522,15 @@ def prepare_targets(network, teacher, buffers, next_obs, args):
     the GAE returns, or V_teacher(s, g) at depth K when a teacher is given. Written into buffers."""
     flat = lambda name: buffers[name].flatten(0, 1)  # noqa: E731
     shape = buffers["values"].shape
-    final_values = network.full_depth(flat("final_obs"), flat("final_goal"))[1].view(shape)
+    if args.timeout_bootstrap == "value":
+        final_values = network.full_depth(flat("final_obs"), flat("final_goal"))[1].view(shape)
+    else:  # a time-out ends the episode as a success does: nothing to bootstrap from
+        final_values = torch.zeros_like(buffers["values"])
     next_value = network.full_depth(next_obs["observation"], next_obs["desired_goal"])[1]
     advantages, returns = compute_gae(buffers["rewards"], buffers["values"], buffers["terminated"],
                                       buffers["truncated"], final_values, next_value, args.gamma, args.gae_lambda)
+    if args.norm_adv and args.advantage_norm == "rollout":  # once here, so the minibatches see the same scale
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     buffers["advantages"].copy_(advantages)
     if teacher is None:
         buffers["value_targets"].copy_(returns)
@@ -511,11 +538,21 @@ def prepare_targets(network, teacher, buffers, next_obs, args):
         buffers["value_targets"].copy_(teacher.full_depth(flat("obs"), flat("goal"))[1].view(shape))
 
 
-def minibatch_order(batch_size, minibatch_size, update_epochs, generator, device):
-    """The rollout rows of each update of one iteration, (update_epochs * minibatches, minibatch_size): a fresh
-    permutation of the rollout per epoch, cut into minibatches."""
-    return torch.stack([torch.randperm(batch_size, generator=generator, device=device)
-                        for _ in range(update_epochs)]).view(-1, minibatch_size)
+def epoch_order(layout, num_steps, num_envs, generator, device):
+    """One epoch's order of the flattened (T * N) rollout rows (row t * N + n is step t of env n); consecutive
+    slices of it are the minibatches. rows: a random permutation of all rows. time-rows: a random permutation
+    of the time steps, each step's N rows kept together, so a minibatch holds whole time steps of every env."""
+    if layout == "rows":
+        return torch.randperm(num_steps * num_envs, generator=generator, device=device)
+    steps = torch.randperm(num_steps, generator=generator, device=device)
+    return (steps[:, None] * num_envs + torch.arange(num_envs, device=device)).flatten()
+
+
+def minibatch_order(args, generator, device):
+    """The rollout rows of each update of one iteration, (update_epochs * num_minibatches, minibatch size): a
+    fresh epoch_order per epoch, cut into minibatches."""
+    return torch.stack([epoch_order(args.minibatch_layout, args.num_steps, args.num_envs, generator, device)
+                        for _ in range(args.update_epochs)]).view(args.update_epochs * args.num_minibatches, -1)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1171,11 +1208,12 @@ def train(args: Args):
             if phase == "flexloop" and teacher is None:  # a two-phase run: the pretrained model at the switch
                 teacher = parts["teacher_model"] = frozen_copy(network)
             obs = collect_rollout(network, env, obs, buffers, generators["actions"], episode_sums)
+            if args.obs_norm_update == "before-epochs":  # the authors' order: GAE and the epochs see its stats
+                network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
             prepare_targets(network, teacher if phase == "flexloop" and args.teacher_value_targets else None,
                             buffers, obs, args)
 
-            order = minibatch_order(batch_size, len(minibatch_index), args.update_epochs, generators["minibatch"],
-                                    device)
+            order = minibatch_order(args, generators["minibatch"], device)
             minibatch_index.copy_(order[run.iteration_updates])  # what a CUDA graph's capture runs on
             graphed_update = graphed_update or run.graphed_update(update, [])
             for i in run.update_steps(len(order)):
@@ -1183,8 +1221,10 @@ def train(args: Args):
                 graphed_update()
             if not run.end_iteration():
                 break  # stopped mid-iteration (SIGTERM, Ctrl-C): finish() writes latest.pt
-            # The normaliser moves between iterations only, so each update's first ratio is exactly 1.
-            network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
+            if args.obs_norm_update == "after-epochs":  # ours: the rollout's own ratios start at exactly 1
+                network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
+            if args.hard_reset_every and run.iteration % args.hard_reset_every == 0:
+                obs, _ = env.reset()  # fresh tasks for all envs; GAE above already bootstrapped from the old obs
 
             if run.log_due():
                 run.log({"charts/lambda_depth": lam, "charts/learning_rate": args.learning_rate,

@@ -5,7 +5,10 @@ per second, for IRU-5 at batch 1024 with the default network, pretraining (lambd
     python bench/train_throughput.py --modes eager --updates 20 --num-envs 64 --batch-size 64   # CPU check
 
 Modes: eager (plain PyTorch), graph (one update captured in a CUDA graph), compile-graph (torch.compile'd
-update, then captured). The replay is filled with real episodes collected by the untrained network first.
+update, then captured), autotune-graph (compiled with mode="max-autotune-no-cudagraphs", then captured). Each
+path is measured in eager mode first, and every mode's rate is also given as a ratio to that eager rate.
+Three update paths: lambda = 0 with gradient at the taken action only (what pretraining runs), lambda = 0 with
+gradients at all 6 actions (the path before), and lambda = 1 (FlexLoop, all 6 actions). The replay is filled with real episodes collected by the untrained network first.
 Prints one JSON line per measurement.
 """
 
@@ -61,17 +64,18 @@ def measure_collection(args, device, episodes, graph):
             "env_steps_per_second": round(episodes * args.num_envs * args.episode_length / elapsed)}
 
 
-def measure_updates(args, device, mode, lam, num_updates, fill_episodes):
+def measure_updates(args, device, mode, lam, num_updates, fill_episodes, all_action_gradients, profile=False):
     env, network, target_network, optimizer, replay = setup(args, device)
     generator = torch.Generator(device).manual_seed(0)
     for _ in range(fill_episodes):
         replay.add(*gcdqn.run_episode(network, env, args.depth, generator)[:3])
     lambda_depth = torch.full((), lam, device=device)
     loss_sums = torch.zeros(len(gcdqn.LOSS_NAMES), device=device)
-    update = gcdqn.make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums)
-    if mode == "compile-graph":
-        update = torch.compile(update)
-    if mode in ("graph", "compile-graph"):
+    update = gcdqn.make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums,
+                               all_action_gradients=all_action_gradients)
+    if mode in ("compile-graph", "autotune-graph"):
+        update = torch.compile(update, mode="max-autotune-no-cudagraphs" if mode == "autotune-graph" else None)
+    if mode in ("graph", "compile-graph", "autotune-graph"):
         update = gcdqn.capture_cuda_graph(update, [generator])
     else:
         for _ in range(3):
@@ -82,34 +86,63 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes):
         update()
     sync(device)
     elapsed = time.perf_counter() - start
-    return {"what": "updates", "mode": mode, "lambda_depth": lam, "updates_per_second": round(num_updates / elapsed, 1),
-            "td_loss_mean": round(loss_sums[0].item() / max(1, num_updates), 5)}
+    result = {"what": "updates", "mode": mode, "lambda_depth": lam, "all_action_gradients": all_action_gradients,
+              "updates_per_second": round(num_updates / elapsed, 1),
+              "td_loss_mean": round(loss_sums[0].item() / max(1, num_updates), 5)}
+    if profile and device.type == "cuda":
+        result["largest_costs"] = profile_kernels(update, device)
+    return result
+
+
+def profile_kernels(update, device, updates=20, top=3):
+    """The `top` GPU kernels by total time over `updates` updates, with their share of the GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(updates):
+            update()
+        sync(device)
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] or list(prof.key_averages())
+    total = sum(e.self_device_time_total for e in events)
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [{"kernel": e.key[:90], "share": round(e.self_device_time_total / total, 3),
+             "us_per_update": round(e.self_device_time_total / updates, 1)} for e in events[:top]]
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--modes", nargs="+", default=None)
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help="eager, graph, compile-graph, autotune-graph (eager always runs first: the ratios' base)")
     parser.add_argument("--updates", type=int, default=500)
     parser.add_argument("--num-envs", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--fill-episodes", type=int, default=4)
     parser.add_argument("--collect-episodes", type=int, default=5)
     parser.add_argument("--bf16", action="store_true", help="the updates' forward passes under bf16 autocast")
+    parser.add_argument("--profile", action="store_true", help="also report the 3 largest GPU kernels per measurement")
+    parser.add_argument("--skip-collection", action="store_true")
     cli = parser.parse_args()
     device = torch.device(cli.device)
     torch.backends.cuda.matmul.allow_tf32 = True
     args = dataclasses.replace(gcdqn.Args(), num_envs=cli.num_envs, batch_size=cli.batch_size, bf16=cli.bf16)
-    modes = cli.modes or (["eager", "graph", "compile-graph"] if device.type == "cuda" else ["eager"])
+    modes = cli.modes or (["graph", "compile-graph"] if device.type == "cuda" else [])
+    modes = ["eager"] + [m for m in modes if m != "eager"]
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "depth": args.depth, "hidden_dim": args.hidden_dim,
-              "batch_size": args.batch_size, "num_envs": args.num_envs}
-    for graph in [False, True] if device.type == "cuda" else [False]:
-        print(json.dumps({**measure_collection(args, device, cli.collect_episodes, graph), **common}), flush=True)
-    for mode in modes:
-        for lam in (0.0, 1.0):
+              "batch_size": args.batch_size, "num_envs": args.num_envs, "bf16": cli.bf16}
+    if not cli.skip_collection:
+        for graph in [False, True] if device.type == "cuda" else [False]:
+            print(json.dumps({**measure_collection(args, device, cli.collect_episodes, graph), **common}), flush=True)
+    # The update paths the script runs: lambda = 0 with gradient at the taken action only (pretraining, Self-TD
+    # Only), lambda = 1 with all 6 actions (FlexLoop); and lambda = 0 with all 6 actions, the path before.
+    for lam, all_action_gradients in [(0.0, False), (0.0, True), (1.0, True)]:
+        eager_rate = None
+        for mode in modes:
             try:
-                result = measure_updates(args, device, mode, lam, cli.updates, cli.fill_episodes)
+                result = measure_updates(args, device, mode, lam, cli.updates, cli.fill_episodes,
+                                         all_action_gradients, cli.profile and mode != "eager")
+                eager_rate = eager_rate or result["updates_per_second"]
+                result["ratio_vs_eager"] = round(result["updates_per_second"] / eager_rate, 2)
             except Exception as error:  # report and go on to the next mode
                 result = {"what": "updates", "mode": mode, "lambda_depth": lam, "error": repr(error)[:400]}
-            print(json.dumps({**result, **common, "bf16": cli.bf16}), flush=True)
+            print(json.dumps({**result, **common}), flush=True)

@@ -391,9 +391,10 @@ def test_taken_action_update_has_the_full_updates_loss_and_gradient_at_lambda_0(
     for all_actions in (True, False):
         network.zero_grad()
         weights = torch.tensor(gcdqn.td_depth_weights(args.ablation, args.depth))
-        terms = gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(0.0), weights,
-                                      all_action_gradients=all_actions)
-        terms["loss"].backward()
+        loss, terms = gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(0.0), weights,
+                                            all_action_gradients=all_actions)
+        loss.backward()
+        terms = {**terms, "loss": loss}
         gradients[all_actions] = ({k: v.detach() for k, v in terms.items()},
                                   {n: p.grad.clone() for n, p in network.named_parameters()})
     (full_terms, full_grads), (fast_terms, fast_grads) = gradients[True], gradients[False]
@@ -412,8 +413,9 @@ def test_taken_action_pass_differs_from_the_full_pass_once_the_kl_counts():
     grads = []
     for all_actions in (True, False):
         network.zero_grad()
-        gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(1.0), weights,
-                              all_action_gradients=all_actions)["loss"].backward()
+        loss, _ = gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(1.0), weights,
+                                        all_action_gradients=all_actions)
+        loss.backward()
         grads.append(network.gates.weight.grad.clone())
     assert not torch.allclose(grads[0], grads[1])
 

@@ -382,7 +382,7 @@ def test_captured_update_draws_a_fresh_batch_at_every_replay(compiled, all_actio
     for _ in range(3):
         replay.add(*gcdqn.run_episode(network, env, args.depth, generator)[:3])
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=True)
-    loss_sums = torch.zeros(len(gcdqn.LOSS_TERMS), device=device)
+    loss_sums = torch.zeros(len(gcdqn.LOSS_NAMES), device=device)
     update = gcdqn.make_update(args, network, target_network, optimizer, replay, generator,
                                torch.zeros((), device=device), loss_sums, all_action_gradients=all_action_gradients)
     update = gcdqn.capture_cuda_graph(torch.compile(update) if compiled else update, [generator])

@@ -472,7 +472,7 @@ def test_timeout_bootstrap_value_or_zero(tmp_path):
 def test_reference_ppo_choices_smoke_run_and_cli(spied_runs):
     run_dir = spied_runs["reference"]["run_dir"]
     final = gcppo.load_checkpoint(run_dir / "final.pt")
-    assert final["interval"] == SPY_ITERATIONS
+    assert final["iteration"] == SPY_ITERATIONS
     assert {k: final["args"][k] for k in REFERENCE_CHOICES} == REFERENCE_CHOICES  # a resume keeps them
     records = [r for r in read_metrics(run_dir) if "losses/policy_loss" in r]
     assert len(records) == SPY_ITERATIONS
@@ -481,7 +481,7 @@ def test_reference_ppo_choices_smoke_run_and_cli(spied_runs):
 
     flags = ["--hard-reset-every", "3", "--advantage-norm", "rollout", "--minibatch-layout", "time-rows",
              "--obs-norm-update", "before-epochs"]
-    parsed = gcppo.tyro.cli(gcppo.Args, args=flags)
+    parsed = gcppo.parse_args(flags)
     assert (parsed.hard_reset_every, parsed.advantage_norm, parsed.minibatch_layout, parsed.obs_norm_update) == \
         (3, "rollout", "time-rows", "before-epochs")
     defaults = gcppo.Args()
