@@ -637,10 +637,9 @@ class TrajectoryReplay:
 # Collection and per-depth evaluation
 # ---------------------------------------------------------------------------------------------------------
 def make_envs(args, device):
-    """One vector env for collection, and one per split for evaluation, each with its own seeded task stream."""
-    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=args.seed, split="train",
-                        episode_length=args.episode_length, quarter_filter=args.quarter_filter,
-                        check_actions=False).unwrapped
+    """One vector env for collection, and one per split for evaluation."""
+    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=args.seed, split="train", check_actions=False,
+                        episode_length=args.episode_length, quarter_filter=args.quarter_filter).unwrapped
     eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, seed=args.seed + 1000 + i,
                                       split=split, episode_length=args.episode_length, check_actions=False).unwrapped
                  for i, split in enumerate(["train", "unseen"])}

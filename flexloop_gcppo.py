@@ -559,10 +559,9 @@ def minibatch_order(args, generator, device):
 # Collection and per-depth evaluation
 # ---------------------------------------------------------------------------------------------------------
 def make_envs(args, device):
-    """One vector env for collection, and one per split for evaluation (reseeded at each evaluation: fixed tasks)."""
-    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=args.seed, split="train",
-                        max_steps=args.max_episode_steps, max_presses=args.train_max_presses,
-                        check_actions=False).unwrapped
+    """One vector env for collection, and one per split for evaluation."""
+    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=args.seed, split="train", check_actions=False,
+                        max_steps=args.max_episode_steps, max_presses=args.train_max_presses).unwrapped
     eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, split=split,
                                       max_steps=args.max_episode_steps, check_actions=False).unwrapped
                  for split in ["train", "unseen"]}
