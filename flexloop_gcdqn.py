@@ -26,6 +26,7 @@ import random
 import re
 import signal
 import sys
+import threading
 import time
 import zipfile
 from dataclasses import asdict, dataclass, fields, make_dataclass, replace
@@ -948,8 +949,9 @@ class StopSignals:
     latest.pt, prints the command that resumes it and exits cleanly. A second Ctrl-C quits at once."""
 
     def __init__(self):
-        self.reason = None
-        self.previous = {sig: signal.signal(sig, self.request) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.reason, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():  # Python takes signals in the main thread only
+            self.previous = {sig: signal.signal(sig, self.request) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def request(self, signum, frame):
         if self.reason is not None and signum == signal.SIGINT:

@@ -55,8 +55,8 @@ def dqn_run(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------------------
 # The layout
 # ---------------------------------------------------------------------------------------------------------
-PLUMBING = re.compile(r"^# --- run plumbing: identical in every flexloop_\*\.py ---\n.*?^# --- end of run plumbing ---$",
-                      re.MULTILINE | re.DOTALL)
+PLUMBING = re.compile(r"^# --- run plumbing: identical in every flexloop_\*\.py ---\n.*?"
+                      r"^# --- end of run plumbing ---$", re.MULTILINE | re.DOTALL)
 
 
 def test_the_run_plumbing_is_the_same_in_every_script():
@@ -208,8 +208,8 @@ def test_ctrl_c_saves_latest_prints_the_resume_command_and_the_run_resumes_to_co
               "save_every": 100, "save_every_minutes": 0.002}  # 2 iterations of 400 updates; a timer save every 0.12 s
     log_path = tmp_path / "log.txt"
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "flexloop_gcdqn.py", *flags(values), "--run-dir", tmp_path / "runs"],
-                                   cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+        command = [sys.executable, "flexloop_gcdqn.py", *flags(values), "--run-dir", str(tmp_path / "runs")]
+        process = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while not list((tmp_path / "runs").glob("*/latest.pt")):  # the timer's first save, within iteration 1
             assert process.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
