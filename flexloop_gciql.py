@@ -18,6 +18,7 @@ dimensions so that one lambda serves datasets with 2 to 8 action dimensions.
 
 import contextlib
 import copy
+import gc
 import io
 import json
 import math
@@ -941,7 +942,12 @@ def capture_cuda_graph(fn, generators):
     """Record fn() in a CUDA graph and return a function that replays it and returns fn's (static) outputs.
 
     Warm-up calls run on a side stream first, as torch.cuda.graphs requires; they do real work. The random
-    generators fn draws from are registered, so every replay draws fresh numbers."""
+    generators fn draws from are registered, so every replay draws fresh numbers.
+
+    A run captures again mid-run (GC-DQN: each phase has its own update). On an H200 that second capture failed
+    (cudaErrorStreamCaptureImplicit in the backward pass) with the default global capture mode; eval_adaptive's
+    mid-run captures failed the same way until garbage was collected first, the collector paused during the
+    capture and the capture mode made thread-local, so the same is done here."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -951,8 +957,15 @@ def capture_cuda_graph(fn, generators):
     graph = torch.cuda.CUDAGraph()
     for generator in generators:
         graph.register_generator_state(generator)
-    with torch.cuda.graph(graph):
-        outputs = fn()
+    collector_was_on = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = fn()
+    finally:
+        if collector_was_on:
+            gc.enable()
 
     def replay():
         graph.replay()
