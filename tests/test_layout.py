@@ -290,3 +290,16 @@ def test_iru_pretrain_help_exits_0_and_shows_the_values_it_really_uses():
     assert refused.returncode == 1 and "iru_pretrain.py fixes --num-epochs" in refused.stderr
     assert iru_pretrain.pretrain_default(gciql).lambda_depth == 0.0
     assert dataclasses.asdict(iru_pretrain.pretrain_args(gcppo.Args()))["total_timesteps"] == 0
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("carry/*/latest.pt")) or [None])
+def test_a_carried_long_run_checkpoint_of_the_first_format_resumes(path):
+    """runs.md's long runs were started before the one layout: their carried latest.pt must still resume."""
+    if path is None:
+        pytest.skip("no carried checkpoint in carry/")
+    checkpoint = gcdqn.load_checkpoint(path)
+    args = gcdqn.resumed_args(checkpoint, gcdqn.Args(resume=str(path)))
+    network = gcdqn.build_network(args, "cpu")
+    network.load_state_dict(checkpoint["model"])
+    torch.optim.Adam(network.parameters()).load_state_dict(checkpoint["optimizer"])
+    assert checkpoint["iteration"] > 0 and checkpoint["script"] == "flexloop_gcdqn"
