@@ -290,10 +290,9 @@ class IRUQNetwork(nn.Module):
         logits = decide(state)            pi_k's logits, Q_k / tau
         all_depths(obs, goal)             Q of every depth at once, (K, critics, batch, actions)
         act(logits, generator)            actions from pi_k's logits, sampled as in training
-    The state is a tuple of tensors shaped (critics, batch, actions, d).
-
-    All 6 actions of a state go through at once: the embedding's action part is a row of the weight, so
-    Linear(concat[s, g, onehot(a)]) = Linear_sg(concat[s, g]) + W_a[a], computed once per state.
+    The state is a tuple of tensors shaped (critics, batch, actions, d): all 6 actions of a state go through
+    at once. The embedding's action part is a row of the weight, so Linear(concat[s, g, onehot(a)]) =
+    Linear_sg(concat[s, g]) + W_a[a], computed once per state.
     """
 
     def __init__(self, depth=5, hidden_dim=256, num_critics=2, variant="residual", policy_temperature=0.25,

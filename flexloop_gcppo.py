@@ -269,9 +269,8 @@ class IRUActorCritic(nn.Module):
         logits = decide(state)            pi_k's logits (20)
         all_depths(obs, goal)             logits (K, B, 20) and values (K, B) of every depth at once
         act(logits, generator, deterministic=False)   a sample of pi_k, or its mode (evaluation)
-    The state is a tuple of tensors shaped (batch, d).
-
-    The running mean and variance of the inputs are buffers, so checkpoints and evaluation carry them.
+    The state is a tuple of tensors shaped (batch, d). The running mean and variance of the inputs are buffers,
+    so checkpoints and evaluation carry them.
     """
 
     def __init__(self, depth=5, hidden_dim=64, variant="residual", obs_clip=10.0, input_dim=2 * NUM_LIGHTS,
