@@ -1246,11 +1246,14 @@ def train(args: Args):
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=1, updates_per_iteration=1,
               progress="updates")
     graphed_update, eval_env = None, None  # the evaluation vector env is made at the first evaluation, then kept
+    lambda_depth_now = None
 
     with run:
         while run.running():
             phase, lam = run.phase()
-            lambda_depth.fill_(lam)
+            if lam != lambda_depth_now:  # a fill on the device at phase changes only: an iteration is one update
+                lambda_depth.fill_(lam)
+                lambda_depth_now = lam
 
             graphed_update = graphed_update or run.graphed_update(update, [generators["sample"]])
             for _ in run.update_steps(1):
