@@ -4,8 +4,9 @@
     python eval_adaptive.py --checkpoints runs/X/final.pt --stress-envs 1024 32768      # + wall-clock stress test
 
 Reads any checkpoint of flexloop_gcdqn.py (BoxPick), flexloop_gcppo.py (LightsOut) or flexloop_gciql.py (OGBench),
-rebuilds its network with that script's own `network_from_checkpoint`, and drives it through the depth protocol
-(start / advance / decide / divergence / gather / act). It reports:
+or of a user's copy of one: it rebuilds the network with the `network_from_checkpoint` of the script the checkpoint
+names (found next to the checkpoint's run or on the path; --script overrides), and drives it through the depth
+protocol (start / advance / decide / divergence / gather / act). It reports:
   1. elasticity: success at every fixed depth 1..K, per split (OGBench: per task);
   2. adaptive inference over an eps grid: success, mean depth, depth histogram, ideal speed-up K / mean depth;
   3. calibration: the largest eps that keeps `--retain` of full-depth success on the train split, reported on unseen;
@@ -21,10 +22,14 @@ pi_1 with pi_0 = decide(start(obs, goal)), the depth-0 decision.
 """
 
 import gc
-import importlib
+import hashlib
+import importlib.machinery
+import importlib.util
 import json
 import math
 import os
+import re
+import sys
 import textwrap
 import time
 import traceback
@@ -38,6 +43,9 @@ import tyro
 from tqdm.auto import tqdm
 
 import envs
+from envs.ogbench_data import DATASETS as OGBENCH_DATASETS
+# Safe checkpoint reading and one-line errors are the scripts' run plumbing (the same in every flexloop_*.py).
+from flexloop_gcdqn import NoGPUError, errors_in_one_line, read_checkpoint_file
 
 # The paper's eps grids (REFERENCE.md §5, appendix "Pareto Curve").
 EPS_GRIDS = {
@@ -78,6 +86,11 @@ class Args:
     """W&B tags"""
     out_dir: Optional[str] = None
     """write results.json and the plots here (default: results/<env>__<exp_name>__<seed>__<time>)"""
+    script: Optional[str] = None
+    """rebuild every checkpoint's network with this FlexLoop script (default: the script each checkpoint names,
+    next to its run or on the import path)"""
+    debug: bool = False
+    """show the full traceback of an error (also FLEXLOOP_DEBUG=1)"""
 
     # Evaluation
     num_eval_envs: Optional[int] = None
@@ -155,7 +168,7 @@ def check_args(args: Args):
     if args.skip_eval and args.stress_eps is None:
         raise ValueError("--skip-eval has no calibrated eps for the stress test; pass --stress-eps (e.g. 0.02)")
     if args.require_cuda and not torch.cuda.is_available():
-        raise RuntimeError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
+        raise NoGPUError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
 
 
 def labels_for(args: Args):
@@ -175,37 +188,88 @@ def check_k_min(k_min, depth, label):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Loading: dispatch on checkpoint["algorithm"] to the script that wrote it.
+# Loading: a checkpoint's network is rebuilt by the FlexLoop script that wrote it (its "script" entry), found next
+# to the checkpoint's run or on the import path, or by --script. A checkpoint never chooses which code runs: only a
+# file that is a FlexLoop script, which its text shows before anything is imported from it, is imported.
 # ---------------------------------------------------------------------------------------------------------
-def import_script(algorithm, path=None):
-    """The script module flexloop_<algorithm>, with an error that says what is missing."""
-    if algorithm not in ADAPTERS:
-        raise ValueError(f"checkpoint {path} has algorithm {algorithm!r}; eval_adaptive.py knows {list(ADAPTERS)}")
-    name = f"flexloop_{algorithm}"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name != name:
-            raise
-        raise ModuleNotFoundError(f"checkpoint {path} was written by {name}.py, which is not in this checkout; "
-                                  f"add {name}.py next to eval_adaptive.py") from error
+FLEXLOOP_SCRIPT_LINE = re.compile(r'^FLEXLOOP_SCRIPT = "flexloop-script-v1"', re.MULTILINE)
 
 
-def load_any_checkpoint(path):
-    """Read the algorithm tag, then load the checkpoint with that script's own load_checkpoint (weights_only)."""
+def is_flexloop_script(path):
+    """Whether `path` is a FlexLoop script, read as text (never imported): a .py file holding the line
+    FLEXLOOP_SCRIPT = "flexloop-script-v1", which the run plumbing of every flexloop_*.py (and of a copy) carries."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist; pass a .pt file written by a flexloop_*.py "
-                                "script, e.g. runs/<run_name>/final.pt")
     try:
-        peek = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # unpickling refused, truncated or not a torch file
-        raise ValueError(f"{path} is not a loadable FlexLoop checkpoint: it is corrupt, truncated, not a checkpoint, "
-                         f"or carries code that weights_only loading refuses ({type(error).__name__})") from error
+        return path.suffix == ".py" and path.is_file() and FLEXLOOP_SCRIPT_LINE.search(path.read_text(errors="replace"))
+    except OSError:
+        return False
+
+
+def find_script(name, checkpoint_path):
+    """The file of the script a checkpoint names: <name>.py next to the checkpoint's run (in its folder or the two
+    above it, where runs/ usually sits), else the module <name> on the import path (found, not imported)."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
+        raise ValueError(f"checkpoint {checkpoint_path} names the script {name!r}, which is not a Python module name; "
+                         "pass --script PATH to the FlexLoop script that wrote it")
+    run = Path(checkpoint_path).resolve().parent
+    for folder in (run, run.parent, run.parent.parent):
+        if (folder / f"{name}.py").is_file():
+            return folder / f"{name}.py"
+    spec = importlib.machinery.PathFinder.find_spec(name)
+    if spec is not None and spec.origin not in (None, "built-in", "frozen"):
+        return Path(spec.origin)
+    raise ModuleNotFoundError(f"checkpoint {checkpoint_path} was written by {name}.py, which is neither next to its "
+                              f"run nor on the import path; pass --script PATH/TO/{name}.py")
+
+
+def import_script(path):
+    """The module of a FlexLoop script file. Anything else is refused before it is imported. A script that is
+    already imported from the same file is that module; a copy with the same name is imported beside it."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"script {path} does not exist")
+    if not is_flexloop_script(path):
+        raise ValueError(f"{path} is not a FlexLoop script (a .py file with the line FLEXLOOP_SCRIPT = "
+                         '"flexloop-script-v1"), so nothing was imported from it; use a flexloop_*.py or your copy of '
+                         "one (eval_adaptive.py: --script PATH)")
+    name = path.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(getattr(loaded, "__file__", None) or "").resolve() == path:
+        return loaded
+    if loaded is not None:
+        name = f"{name}__{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the script runs
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def load_any_checkpoint(path, script=None):
+    """The module of the script that rebuilds a checkpoint's network (`script`, else the one the checkpoint names)
+    and the checkpoint, loaded by that script's own load_checkpoint (weights_only)."""
+    peek = read_checkpoint_file(path)
     if not isinstance(peek, dict) or "algorithm" not in peek:
         raise ValueError(f"{path} is not a FlexLoop checkpoint (no 'algorithm' entry)")
-    module = import_script(peek["algorithm"], path)
+    name = peek.get("script") or f"flexloop_{peek['algorithm']}"  # the first format named only the algorithm
+    module = import_script(script if script is not None else find_script(name, path))
     return module, module.load_checkpoint(path)
+
+
+def adapter_for(env_id):
+    """The adapter of the env family a checkpoint was trained on."""
+    if env_id in envs.BOXPICK_IDS:
+        return BoxPickAdapter
+    if env_id == envs.LIGHTSOUT_ID:
+        return LightsOutAdapter
+    if env_id in OGBENCH_DATASETS:
+        return OGBenchAdapter
+    raise ValueError(f"eval_adaptive.py has no evaluation for env {env_id!r}; it evaluates BoxPick, LightsOut-4x5 "
+                     "and the OGBench datasets")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -466,8 +530,6 @@ class OGBenchAdapter:
         if self.vector_env is not None:
             self.vector_env.close()
 
-
-ADAPTERS = {"gcdqn": BoxPickAdapter, "gcppo": LightsOutAdapter, "gciql": OGBenchAdapter}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1418,7 +1480,8 @@ def main(args: Args):
 
     loaded = []
     for path, label in zip(args.checkpoints, labels_for(args)):
-        module, checkpoint = load_any_checkpoint(path)
+        module, checkpoint = load_any_checkpoint(path, args.script)
+        print(f"{label}: {checkpoint['algorithm']} on {checkpoint['env_id']}, network from {module.__file__}")
         network, train_args = module.network_from_checkpoint(checkpoint, device)
         network.eval().requires_grad_(False)
         check_k_min(args.k_min, network.depth, label)
@@ -1433,10 +1496,10 @@ def main(args: Args):
 
     evaluations = []
     if not args.skip_eval:
-        groups = len(ADAPTERS[loaded[0][3]["algorithm"]].groups)
+        groups = len(adapter_for(env_id).groups)
         pbar = tqdm(total=2 * groups * len(loaded), desc="eval_adaptive", dynamic_ncols=True)
         for label, path, module, checkpoint, network, train_args in loaded:
-            adapter = ADAPTERS[checkpoint["algorithm"]](module, network, train_args, env_id, args, device)
+            adapter = adapter_for(env_id)(module, network, train_args, env_id, args, device)
             try:
                 evaluation = evaluate_checkpoint(adapter, network, args, pbar)
             finally:
@@ -1449,8 +1512,8 @@ def main(args: Args):
     stress = []
     if args.stress_envs:
         for (label, _, _, checkpoint, network, _), ev in zip(loaded, evaluations or [None] * len(loaded)):
-            if checkpoint["algorithm"] != "gcdqn":
-                print(f"stress test: skipping {label} ({checkpoint['algorithm']}); it drives BoxPick gcdqn checkpoints")
+            if adapter_for(checkpoint["env_id"]) is not BoxPickAdapter:
+                print(f"stress test: skipping {label} ({checkpoint['env_id']}); it drives BoxPick checkpoints")
                 continue
             eps = args.stress_eps if args.stress_eps is not None else ev["calibration"]["eps"]
             if args.compile:
@@ -1478,4 +1541,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    with errors_in_one_line():
+        main(tyro.cli(Args))

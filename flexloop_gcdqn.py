@@ -1,5 +1,4 @@
-"""FlexLoop post-training of an IRU GC-DQN on BoxPick (one file, CleanRL style).
-
+"""FlexLoop post-training of an IRU GC-DQN on BoxPick (one file, CleanRL style):
     python flexloop_gcdqn.py --lambda-depth 1.0                        # pretrain IRU-5, then FlexLoop
     python flexloop_gcdqn.py --init-checkpoint runs/X/pretrained.pt   # FlexLoop from a pretrained IRU-5
 
@@ -16,17 +15,25 @@ The paper's ablations and variants (§5.4, appendix C; REFERENCE.md §5) are fla
     --teacher-checkpoint PATH           FlexLoop from scratch with an output-only teacher (appendix C.1)
 """
 
+import contextlib
+import copy
 import gc
 import io
 import json
 import math
 import os
+import pickletools
 import random
+import re
 import signal
+import sys
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+import zipfile
+from dataclasses import asdict, dataclass, fields, make_dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import numpy as np
 import torch
@@ -38,22 +45,16 @@ from tqdm.auto import tqdm
 import envs
 from envs.boxpick import NUM_ACTIONS, NUM_CELLS, NUM_CODES, goal_reached
 
-ALGORITHM = "gcdqn"
-CHECKPOINT_FORMAT = "flexloop-checkpoint-v1"
-
 
 @dataclass
-class Args:
-    exp_name: str = "flexloop_gcdqn"
+class ExperimentArgs:
+    """experiment and logging"""
+    exp_name: str = Path(__file__).stem
     """the name of this experiment (part of the run name)"""
     seed: int = 1
     """seed of the experiment"""
     torch_deterministic: bool = True
     """sets `torch.backends.cudnn.deterministic`"""
-    cuda: bool = True
-    """use CUDA when it is available (an error if asked for explicitly with --cuda and absent: see `require_cuda`)"""
-    require_cuda: bool = False
-    """fail instead of falling back to CPU when no GPU is present"""
     track: bool = False
     """log to Weights & Biases (honours WANDB_MODE=offline)"""
     wandb_project_name: str = "flexloop"
@@ -67,11 +68,20 @@ class Args:
     run_dir: str = "runs"
     """runs are written to <run_dir>/<run_name>/ (metrics.jsonl, checkpoints)"""
     resume: Optional[str] = None
-    """continue the run whose checkpoint is at this path (its run folder and W&B id are reused)"""
-    init_checkpoint: Optional[str] = None
-    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining)"""
+    """continue the run whose checkpoint is at this path (its run folder, flags and W&B id are reused)"""
+    log_every: int = 10
+    """log training metrics every this many iterations"""
+    save_every: int = 10
+    """write the latest checkpoint every this many iterations"""
+    save_every_minutes: float = 15.0
+    """also write it every this many minutes, between updates (0: never)"""
+    debug: bool = False
+    """show the full traceback of an error (also FLEXLOOP_DEBUG=1)"""
 
-    # Environment
+
+@dataclass
+class EnvironmentArgs:
+    """environment"""
     env_id: str = "BoxPick-Exact-4-v0"
     """BoxPick-Exact-3-v0, BoxPick-Exact-4-v0, BoxPick-Generalize-4-1-v0 or BoxPick-Generalize-4-2-v0"""
     episode_length: int = 100
@@ -79,57 +89,68 @@ class Args:
     quarter_filter: bool = False
     """truncate training episodes when the agent leaves the two quadrants' bounding box (Exact only)"""
 
-    # IRU Q-network
+
+@dataclass
+class NetworkArgs:
+    """network"""
     depth: int = 5
     """K, the number of recurrent steps of the IRU"""
+    iru_variant: Literal["residual", "paper"] = "residual"
+    """residual: the public code (gates and heads read h = sum tanh(c)); paper: the paper's equation (tanh(c), c)"""
+    backbone: Literal["iru", "lstm"] = "iru"
+    """iru: the IRU cell; lstm: an LSTM cell unrolled over depth (the paper's backbone ablation, §5.4)"""
     hidden_dim: int = 256
-    """IRU width d"""
+    """IRU width d of each critic (LSTM-184: --backbone lstm --hidden-dim 184, about IRU-256's parameters)"""
     num_critics: int = 2
     """ensemble size"""
-    iru_variant: Literal["residual", "paper"] = "residual"
-    """residual: the public code (gates and head read h = sum tanh(c)); paper: the paper's equation (tanh(c), c)"""
     obs_encoding: Literal["codes", "onehot"] = "codes"
     """codes: the 36 cell codes as numbers (the reference); onehot: 36 x 12 one-hot cells (learns faster)"""
-    backbone: Literal["iru", "lstm"] = "iru"
-    """iru: the IRU cell; lstm: an LSTM cell unrolled over depth (the paper's LSTM-256 and LSTM-184 backbones)"""
 
-    # GC-DQN
+
+@dataclass
+class AlgorithmArgs:
+    """algorithm: GC-DQN"""
+    pretrain_epochs: int = 50
+    """IRU-K pretraining epochs (lambda = 0) when no --init-checkpoint is given"""
+    num_epochs: int = 10
+    """FlexLoop post-training epochs"""
+    intervals_per_epoch: int = 100
+    """iterations (collect + update rounds) per epoch"""
+    num_envs: int = 1024
+    """parallel envs; each iteration collects one episode per env"""
+    updates_per_rollout: int = 1000
+    """gradient updates after each collected episode"""
+    batch_size: int = 1024
+    """transitions per update, one from each of batch_size distinct envs"""
     learning_rate: float = 3e-4
     """Adam learning rate (critic and temperature)"""
-    gamma: float = 0.99
-    """discount"""
     tau: float = 0.005
     """Polyak rate of the target network, applied every update"""
     init_alpha: float = 1.0
     """initial exploration temperature alpha (actions ~ softmax(Q / alpha))"""
     target_entropy: float = -1.1
     """alpha's loss is (H + target_entropy)^2: drives the policy entropy to -target_entropy nats"""
-    num_envs: int = 1024
-    """parallel envs; each interval collects one episode per env"""
-    batch_size: int = 1024
-    """transitions per update, one from each of batch_size distinct envs"""
-    updates_per_rollout: int = 1000
-    """gradient updates after each collected episode"""
-    intervals_per_epoch: int = 100
-    """collect + update rounds per epoch"""
-    pretrain_epochs: int = 50
-    """IRU-K pretraining epochs (lambda = 0) when no --init-checkpoint is given"""
-    num_epochs: int = 10
-    """FlexLoop post-training epochs"""
     replay_episodes: int = 100
     """episodes kept per env (100 x 100 steps = the reference's 10,000 steps per env)"""
     future_goal_fraction: float = 0.5
     """share of the batch relabelled with a future state of its episode (the rest: another sample's state)"""
     future_discount: float = 0.99
     """future-goal offsets j > 0 have probability proportional to future_discount^j"""
+    gamma: float = 0.99
+    """discount"""
 
-    # FlexLoop
+
+@dataclass
+class FlexLoopArgs:
+    """FlexLoop: the depth loss and where post-training starts"""
+    depth_target: Literal["adjacent", "final"] = "adjacent"
+    """adjacent: KL(sg[pi_{k+1}] || pi_k) (FlexLoop); final: every depth distilled from depth K, KL(sg[pi_K] || pi_k)"""
+    init_checkpoint: Optional[str] = None
+    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining)"""
     lambda_depth: float = 1.0
     """weight of the adjacent-depth KL (0 = plain IRU-K training)"""
     policy_temperature: float = 0.25
     """tau in pi_k = softmax(Q_k / tau)"""
-    depth_target: Literal["adjacent", "final"] = "adjacent"
-    """adjacent: KL(sg[pi_{k+1}] || pi_k) (FlexLoop); final: every depth distilled from depth K, KL(sg[pi_K] || pi_k)"""
     ablation: Literal["none", "distill-only", "anyk-td"] = "none"
     """the FlexLoop phase's TD term: none = at depth K; distill-only = no TD loss (the KL alone, from the pretrained
     weights); anyk-td = at every depth, averaged. Self-TD Only is --lambda-depth 0. Pretraining is never changed"""
@@ -139,15 +160,23 @@ class Args:
     bellman_weight: float = 0.1
     """with --teacher-checkpoint: weight of the inter-depth Bellman loss on depths 1..K-2 (appendix C.1)"""
 
-    # Evaluation, logging, speed
-    eval_every: int = 100
-    """evaluate every depth on both splits every this many intervals (and at the end)"""
+
+@dataclass
+class EvaluationArgs:
+    """evaluation"""
     num_eval_envs: int = 1024
-    """envs per split for evaluation (one episode each)"""
-    log_every: int = 10
-    """log training metrics every this many intervals"""
-    save_every: int = 10
-    """write the latest checkpoint every this many intervals"""
+    """envs per split for evaluation (one episode each, actions sampled as in training)"""
+    eval_every: int = 100
+    """evaluate every depth on both splits every this many iterations (and at the end of each phase)"""
+
+
+@dataclass
+class PerformanceArgs:
+    """performance: device and speed"""
+    cuda: bool = True
+    """use CUDA when it is available (see --require-cuda to make its absence an error)"""
+    require_cuda: bool = False
+    """fail instead of falling back to CPU when no GPU is present"""
     compile: bool = True
     """torch.compile the update on GPU (about 2x faster there; ignored on CPU, where it does not pay)"""
     cuda_graph: bool = True
@@ -156,14 +185,31 @@ class Args:
     """run the update's forward passes under bf16 autocast (faster on GPU; not yet shown to learn as well)"""
 
 
+@dataclass
+class Args(PerformanceArgs, EvaluationArgs, FlexLoopArgs, AlgorithmArgs, NetworkArgs, EnvironmentArgs, ExperimentArgs):
+    """Every flag, flat (args.lambda_depth). --help shows them in the groups above (see parse_args)."""
+
+
+# What the run plumbing (below) needs to know about this script.
+ENV_FLAG = "env_id"  # the flag naming the env: run names, checkpoints and --init-checkpoint checks read it
+RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug")  # --resume takes these as given
+ALGORITHM = "gcdqn"
+NETWORK_FLAGS = ("depth", "hidden_dim", "num_critics", "iru_variant", "obs_encoding", "backbone")  # an init must match
+CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in a checkpoint
+GPU_SIZED_FLAGS = ("num_envs", "batch_size", "updates_per_rollout", "hidden_dim")  # their defaults need a GPU
+PRETRAINING_ONLY = dict(lambda_depth=0.0, num_epochs=0, init_checkpoint=None, teacher_checkpoint=None)  # iru_pretrain
+
+
 def check_args(args: Args):
     """Refuse bad flags before any work starts, naming the fix."""
     if args.depth < 2:
         raise ValueError(f"--depth must be at least 2 for FlexLoop's adjacent-depth loss, got {args.depth}")
     if args.lambda_depth < 0:
         raise ValueError(f"--lambda-depth must be >= 0, got {args.lambda_depth}")
-    if args.policy_temperature <= 0:
-        raise ValueError(f"--policy-temperature must be > 0, got {args.policy_temperature}")
+    if args.resume and args.init_checkpoint:
+        raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
+    if args.backbone == "lstm" and args.iru_variant != "residual":
+        raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
     if args.env_id not in envs.BOXPICK_IDS:
         raise ValueError(f"--env-id {args.env_id!r} is not a BoxPick env; choose one of {list(envs.BOXPICK_IDS)}")
     for name in ["num_envs", "batch_size", "updates_per_rollout", "intervals_per_epoch", "replay_episodes",
@@ -171,6 +217,8 @@ def check_args(args: Args):
                  "episode_length"]:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.policy_temperature <= 0:
+        raise ValueError(f"--policy-temperature must be > 0, got {args.policy_temperature}")
     if args.batch_size > args.num_envs:
         raise ValueError(f"--batch-size {args.batch_size} exceeds --num-envs {args.num_envs}: each batch takes one "
                          "transition from each of batch_size distinct envs; lower --batch-size or raise --num-envs")
@@ -184,12 +232,6 @@ def check_args(args: Args):
     if pretraining + args.num_epochs == 0 and not args.resume:
         raise ValueError("nothing to train: --num-epochs is 0 and there is no pretraining phase "
                          "(--pretrain-epochs 0, or --init-checkpoint / --teacher-checkpoint skips it)")
-    if args.require_cuda and not torch.cuda.is_available():
-        raise RuntimeError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
-    if args.resume and args.init_checkpoint:
-        raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
-    if args.backbone == "lstm" and args.iru_variant != "residual":
-        raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
     if args.ablation == "distill-only" and args.lambda_depth == 0:
         raise ValueError("--ablation distill-only with --lambda-depth 0 trains nothing; give a positive --lambda-depth")
     if args.bellman_weight < 0:
@@ -205,7 +247,7 @@ def check_args(args: Args):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# IRU Q-network: an ensemble of IRUs evaluated as one batched matmul per layer.
+# ALGO LOGIC: network
 # ---------------------------------------------------------------------------------------------------------
 class EnsembleLinear(nn.Module):
     """num_members independent Linear layers applied to (members, rows, in_features)."""
@@ -240,18 +282,17 @@ class IRUQNetwork(nn.Module):
         h     = h + tanh(c)                              (residual across steps)
         Q_k   = Head(h)                                  (paper variant: Head(c))
 
-    All 6 actions of a state go through at once: the embedding's action part is a row of the weight, so
-    Linear(concat[s, g, onehot(a)]) = Linear_sg(concat[s, g]) + W_a[a], computed once per state.
-
     Depth protocol (shared with the other scripts and eval_adaptive.py):
         state = start(obs, goal)          depth 0, zero recurrent state
         state = advance(state)            depth k -> k + 1
-        logits = decide(state)            pi_k's logits, Q_k / tau
-        all_depths(obs, goal)             Q of every depth at once, (K, critics, batch, actions)
         divergence(p_logits, q_logits)    KL(p || q) per row: the training loss and delta_k at inference
         gather(state, rows)               the recurrent state of some batch rows (adaptive inference)
+        logits = decide(state)            pi_k's logits, Q_k / tau
+        all_depths(obs, goal)             Q of every depth at once, (K, critics, batch, actions)
         act(logits, generator)            actions from pi_k's logits, sampled as in training
-    The state is a tuple of tensors shaped (critics, batch, actions, d).
+    The state is a tuple of tensors shaped (critics, batch, actions, d): all 6 actions of a state go through
+    at once. The embedding's action part is a row of the weight, so Linear(concat[s, g, onehot(a)]) =
+    Linear_sg(concat[s, g]) + W_a[a], computed once per state.
     """
 
     def __init__(self, depth=5, hidden_dim=256, num_critics=2, variant="residual", policy_temperature=0.25,
@@ -298,11 +339,15 @@ class IRUQNetwork(nn.Module):
         h = h + torch.tanh(c)
         return x_emb, c, h
 
+    def readout(self, state):
+        """The recurrent feature the heads read: h (paper variant: c)."""
+        _, c, h = state
+        return h if self.variant == "residual" else c
+
     def q_values(self, state):
         """Q of the current depth for every critic: (E, B, A). Read out in float32 also under --bf16: the Q
         values feed the TD target and a softmax at a small temperature, where bf16's 3 digits would show."""
-        x_emb, c, h = state
-        readout = h if self.variant == "residual" else c
+        readout = self.readout(state)
         with torch.autocast(readout.device.type, enabled=False):
             q = self.head(readout.float().reshape(self.num_critics, -1, self.hidden_dim))
         return q.view(readout.shape[:-1])
@@ -377,9 +422,44 @@ class LSTMQNetwork(IRUQNetwork):
         return x_emb, c.view(shape), h.view(shape)
 
 
+
+def build_network(args: Args, device):
+    if args.backbone == "lstm":
+        return LSTMQNetwork(args.depth, args.hidden_dim, args.num_critics, args.policy_temperature, args.init_alpha,
+                            args.obs_encoding).to(device)
+    return IRUQNetwork(args.depth, args.hidden_dim, args.num_critics, args.iru_variant, args.policy_temperature,
+                       args.init_alpha, args.obs_encoding).to(device)
+
+
+
+def network_from_checkpoint(checkpoint, device="cpu"):
+    """Rebuild the network from a checkpoint alone (used by eval_adaptive.py)."""
+    args = args_from_checkpoint(checkpoint)
+    network = build_network(args, device)
+    network.load_state_dict(checkpoint["model"])
+    return network, args
+
+
+def load_teacher(args, device):
+    """The output-only teacher of FlexLoop from scratch: a separate, frozen network built from its own
+    checkpoint (any depth, width or backbone). Only its Q-values are read; no optimiser holds it and its
+    weights are never copied into the student, whose checkpoints do not hold them either."""
+    checkpoint = load_checkpoint(args.teacher_checkpoint)
+    if checkpoint["env_id"] != args.env_id:
+        raise ValueError(f"--teacher-checkpoint was trained on {checkpoint['env_id']} but this run is on "
+                         f"{args.env_id}; pass --env-id {checkpoint['env_id']}")
+    teacher, _ = network_from_checkpoint(checkpoint, device)
+    return teacher.requires_grad_(False)
+
+
+
 # ---------------------------------------------------------------------------------------------------------
-# Losses: TD at depth K (or every depth, or none), the depth KL, the from-scratch Bellman refinement.
+# ALGO LOGIC: losses
 # ---------------------------------------------------------------------------------------------------------
+LOSS_NAMES = ("losses/td_loss", "losses/depth_kl", "losses/alpha_loss", "charts/policy_entropy",
+              "losses/bellman_loss")  # flexloop_losses' terms: metrics, NaN checks and checkpoints read these
+
+
 def flexloop_depth_loss(q_per_depth, policy_temperature, target="adjacent"):
     """mean_{k=1..K-1} KL(sg[pi_{k+1}] || pi_k) with pi_k = softmax(mean_critics Q_k / tau); with
     target="final", mean_{k=1..K-1} KL(sg[pi_K] || pi_k) instead.
@@ -427,8 +507,77 @@ def td_target(target_q_next, rewards, gamma):
     return rewards + gamma * target_q_next.mean(0).max(-1).values
 
 
+def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weights, teacher=None,
+                    all_action_gradients=True):
+    """The loss of one update on a batch and its terms by LOSS_NAMES, as device tensors (no host sync):
+
+        td        sum_k w_k TD_k with w = td_weights (K,) and the target y = r + gamma * max_a' mean_critics
+                  Q(s', g, a'), Q the target network's at depth K, or the teacher's full-depth Q when given
+        depth_kl  the depth KL (args.depth_target: adjacent or final)
+        bellman   the inter-depth Bellman refinement on depths 1..K-2 (with a teacher only; else 0)
+        alpha     the temperature loss (entropy: a statistic)
+    and the loss td + lambda_depth * depth_kl + bellman_weight * bellman + alpha.
+
+    Only the depth KL needs gradients at all 6 actions. With all_action_gradients=False (a phase with
+    lambda_depth = 0) the online critic runs as the reference's dqn_interp.py runs it: with gradient at the
+    taken action alone, and over all 6 actions without gradient for the temperature's entropy (and the KL,
+    then a statistic). The loss and its gradient are the same; the backward pass is 6x smaller.
+    """
+    autocast = lambda: torch.autocast(batch["obs"].device.type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
+    obs, goal, action = batch["obs"], batch["goal"], batch["action"]
+    with torch.no_grad(), autocast():
+        bootstrap_q = target_network.final_depth(batch["next_obs"], goal) if teacher is None else \
+            teacher.final_depth(batch["next_obs"], goal)  # only the teacher's outputs
+    y = td_target(bootstrap_q, batch["reward"], args.gamma)
+    with torch.set_grad_enabled(all_action_gradients and torch.is_grad_enabled()), autocast():
+        q_per_depth = network.all_depths(obs, goal)  # (K, E, B, A)
+    if all_action_gradients:
+        q_taken = taken_action(q_per_depth, action)  # (K, E, B)
+    else:
+        with autocast():
+            q_taken = network.all_depths(obs, goal, action)[..., 0]
+    td = (td_weights * per_depth_td_loss(q_taken, y)).sum()
+    depth_kl = flexloop_depth_loss(q_per_depth, args.policy_temperature, args.depth_target)
+    bellman = q_taken.new_zeros(())
+    if teacher is not None:  # the student's own target network, every depth, for the inter-depth Bellman loss
+        with torch.no_grad(), autocast():
+            target_q_next = target_network.all_depths(batch["next_obs"], goal)
+        bellman = bellman_refinement_loss(q_taken, target_q_next, batch["reward"], args.gamma)
+    # Temperature: push the entropy of softmax(Q_K / alpha) towards -target_entropy.
+    q_full = q_per_depth[-1].mean(0).detach()
+    log_policy = F.log_softmax(q_full / network.log_alpha.exp(), -1)
+    entropy = -(log_policy.exp() * log_policy).sum(-1).mean()
+    alpha = (entropy + args.target_entropy) ** 2
+    loss = td + lambda_depth * depth_kl + args.bellman_weight * bellman + alpha
+    return loss, dict(zip(LOSS_NAMES, (td, depth_kl, alpha, entropy, bellman)))
+
+
+def make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums,
+                td_weights=None, teacher=None, all_action_gradients=True):
+    """One update: sample a relabelled batch, the losses of `flexloop_losses`, Adam, Polyak. No host sync,
+    fixed shapes: it can be captured in a CUDA graph. lambda_depth and td_weights are device tensors filled
+    per phase (td_weights defaults to depth K alone); the teacher is only ever read. all_action_gradients=False
+    is the faster update of a phase whose lambda_depth is 0 (see `flexloop_losses`)."""
+    if td_weights is None:
+        td_weights = torch.tensor(td_depth_weights("none", args.depth), device=lambda_depth.device)
+
+    def update():
+        batch = replay.sample(args.batch_size, generator)
+        loss, terms = flexloop_losses(network, target_network, batch, args, lambda_depth, td_weights, teacher,
+                                      all_action_gradients)
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(list(target_network.parameters()), list(network.parameters()), args.tau)
+            loss_sums.add_(torch.stack([terms[name] for name in LOSS_NAMES]).detach())
+        return batch  # (static outputs when captured: the test that each replay draws a fresh batch reads them)
+
+    return update
+
+
 # ---------------------------------------------------------------------------------------------------------
-# Replay: per-env trajectories on the device, relabelled with future and random goals.
+# ALGO LOGIC: data
 # ---------------------------------------------------------------------------------------------------------
 class TrajectoryReplay:
     """Episodes stored per env as int8 grids: observations (envs, episodes, L + 1, 36) and actions.
@@ -484,9 +633,20 @@ class TrajectoryReplay:
                     env=env, episode=episode, t=t, offset=offset, use_future=use_future)
 
 
+
 # ---------------------------------------------------------------------------------------------------------
 # Collection and per-depth evaluation
 # ---------------------------------------------------------------------------------------------------------
+def make_envs(args, device):
+    """One vector env for collection, and one per split for evaluation."""
+    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=args.seed, split="train", check_actions=False,
+                        episode_length=args.episode_length, quarter_filter=args.quarter_filter).unwrapped
+    eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, seed=args.seed + 1000 + i,
+                                      split=split, episode_length=args.episode_length, check_actions=False).unwrapped
+                 for i, split in enumerate(["train", "unseen"])}
+    return env, eval_envs
+
+
 @torch.no_grad()
 def act_at_depth(network, obs, goal, depth, generator):
     state = network.start(obs, goal)
@@ -530,9 +690,108 @@ def evaluate(network, eval_envs, generator):
     return results
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Checkpoints (self-contained, atomic, weights_only) and metrics
-# ---------------------------------------------------------------------------------------------------------
+
+def format_eval(results, depth, iteration):
+    lines = [f"iteration {iteration} success by depth 1..{depth}:"]
+    for split in ["train", "unseen"]:
+        values = " ".join(f"{results[f'eval/{split}/success_depth_{k}']:.3f}" for k in range(1, depth + 1))
+        lines.append(f"  {split:7s} {values}")
+    return "\n".join(lines)
+
+
+# --- run plumbing: identical in every flexloop_*.py ---
+# Flags, run setup, checkpoints, the metrics log, RNG state, stop signals, progress and CUDA-graph capture. Nothing
+# here knows the algorithm: it reads the names defined above (Args, check_args, ALGORITHM, ENV_FLAG, NETWORK_FLAGS,
+# CHECKPOINT_PARTS, RESUME_FLAGS, GPU_SIZED_FLAGS, LOSS_NAMES, format_eval). Change the algorithm above and `train`
+# below; tests/test_layout.py keeps this block the same in every script.
+FLEXLOOP_SCRIPT = "flexloop-script-v1"  # this line marks a FlexLoop script: eval_adaptive.py imports no other file
+SCRIPT = Path(__file__).stem  # checkpoints name the script that wrote them
+CHECKPOINT_FORMAT = "flexloop-checkpoint-v2"
+OLD_CHECKPOINT_FORMAT = "flexloop-checkpoint-v1"  # read too: see upgrade_checkpoint
+CUDA_GRAPH_WARMUP = 3  # eager calls before a capture, as torch.cuda.graphs requires; they do real work
+CPU_HELP = 'README.md, "On a CPU"'
+
+
+def parse_args(argv=None, default=None, prog=None):
+    """The command line as a flat Args. --help lists the flags in the groups Args is made of, under flat names
+    (--lambda-depth); `default` replaces the defaults (iru_pretrain.py shows its own this way)."""
+    default = Args() if default is None else default
+    groups = {group.__name__.removesuffix("Args").lower(): group for group in reversed(Args.__bases__)}
+    flags = make_dataclass("Flags", [(name, Annotated[group, tyro.conf.OmitArgPrefixes])
+                                     for name, group in groups.items()])
+    defaults = flags(**{name: group(**{f.name: getattr(default, f.name) for f in fields(group)})
+                        for name, group in groups.items()})
+    given = tyro.cli(flags, args=argv, prog=prog, description=__doc__, default=defaults)
+    return Args(**{f.name: getattr(getattr(given, name), f.name) for name, group in groups.items()
+                   for f in fields(group)})
+
+
+class NoGPUError(RuntimeError):
+    """--require-cuda on a machine without a GPU."""
+
+
+@contextlib.contextmanager
+def errors_in_one_line():
+    """The errors raised on purpose (bad flags, checkpoints or data, a full disk, NaN in a loss) end the program
+    with their message in one line and exit status 1, not a traceback; --debug or FLEXLOOP_DEBUG=1 shows it."""
+    try:
+        yield
+    except (ValueError, OSError, FloatingPointError, NoGPUError) as error:
+        if "--debug" in sys.argv or os.environ.get("FLEXLOOP_DEBUG") == "1":
+            raise
+        print(f"{Path(sys.argv[0]).name}: error: {error}  (--debug shows the traceback)", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # before the stop signals are set up, or a second Ctrl-C
+        print(f"{Path(sys.argv[0]).name}: interrupted; nothing was saved since the last checkpoint", file=sys.stderr)
+        sys.exit(130)
+
+
+def pick_device(args):
+    """CUDA when there is a GPU and --cuda, else the CPU; say which, and warn when GPU-sized flags meet a CPU."""
+    if args.require_cuda and not torch.cuda.is_available():
+        raise NoGPUError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    print(f"{SCRIPT}: running on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'the CPU'}")
+    sized_for_gpu = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in GPU_SIZED_FLAGS
+                     if getattr(args, name) == getattr(Args(), name)]
+    if device.type == "cpu" and sized_for_gpu:
+        print(f"warning: {', '.join(sized_for_gpu)} are sized for a GPU, and on a CPU this run takes days. For a CPU "
+              f"run that finishes in minutes, see {CPU_HELP}.")
+    return device
+
+
+def args_from_checkpoint(checkpoint, path="the checkpoint"):
+    """The flags a checkpoint was trained with. Flags added since it was written take their defaults; flags this
+    script does not have mean another script wrote it."""
+    unknown = sorted(set(checkpoint["args"]) - {f.name for f in fields(Args)})
+    if unknown:
+        raise ValueError(f"{path} has flags {unknown} that {SCRIPT}.py does not know; it was written by "
+                         f"{checkpoint.get('script', 'another script')}.py: use that script for it")
+    return Args(**checkpoint["args"])
+
+
+def resumed_args(checkpoint, given):
+    """A resumed run keeps its own flags. Only RESUME_FLAGS come from the command line, and only where given."""
+    missing = [k for k in ("run_name", *CHECKPOINT_PARTS, "rng", "global_step", "updates") if k not in checkpoint]
+    if missing:
+        raise ValueError(f"--resume {given.resume} lacks {missing}, which resuming needs; start a new run from its "
+                         "weights with --init-checkpoint instead")
+    overrides = {name: getattr(given, name) for name in RESUME_FLAGS if getattr(given, name) != getattr(Args(), name)}
+    return replace(args_from_checkpoint(checkpoint, given.resume), **overrides)
+
+
+def check_compatible(init, args):
+    """An --init-checkpoint must match this run's env and network shape (NETWORK_FLAGS)."""
+    theirs = {"backbone": "iru", **init["args"]}  # checkpoints from before --backbone hold IRUs
+    for key in NETWORK_FLAGS:
+        if theirs[key] != getattr(args, key):
+            raise ValueError(f"--init-checkpoint was trained with {key}={theirs[key]!r} but this run has "
+                             f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {theirs[key]}")
+    if init["env_id"] != getattr(args, ENV_FLAG):
+        raise ValueError(f"--init-checkpoint was trained on {init['env_id']} but this run is on "
+                         f"{getattr(args, ENV_FLAG)}; pass --{ENV_FLAG.replace('_', '-')} {init['env_id']}")
+
+
 def save_checkpoint(path, payload):
     """Serialise in memory, write a temp file, then os.replace: a kill, a crash or a full disk never leaves a
     broken checkpoint or a stray temp file, and the previous checkpoint stays as it was."""
@@ -554,42 +813,80 @@ def save_checkpoint(path, payload):
                       "Free disk space or point --run-dir at a writable folder.") from error
 
 
-def load_checkpoint(path, algorithm=ALGORITHM):
-    """Load with weights_only=True (a checkpoint cannot run code) and check that it is ours."""
+def pickled_globals(path):
+    """module.name of every Python object a pickle names (objects that unpickling would call), read without
+    unpickling; [] when the file holds no readable pickle."""
+    data = Path(path).read_bytes()
+    if zipfile.is_zipfile(path):  # torch's format: the pickle is the archive's data.pkl
+        with zipfile.ZipFile(path) as archive:
+            data = next((archive.read(n) for n in archive.namelist() if n.endswith("data.pkl")), b"")
+    names, strings = [], []
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name in ("GLOBAL", "INST"):
+                names.append(arg.replace(" ", "."))
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(".".join(strings[-2:]))
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except Exception:  # not a pickle, or cut short: what was read so far
+        pass
+    return names
+
+
+def read_checkpoint_file(path):
+    """torch.load with weights_only=True, so that a file holding code is refused and the code never runs. When a
+    file cannot be loaded, the error says what it is instead."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise FileNotFoundError(f"checkpoint {path} does not exist; pass a .pt file written by a FlexLoop script, "
+                                "e.g. runs/<run_name>/latest.pt")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # unpickling refused, truncated or not a torch file
-        raise ValueError(f"{path} is not a loadable FlexLoop checkpoint: it is corrupt, truncated, not a checkpoint, "
-                         f"or carries code that weights_only loading refuses ({type(error).__name__}: "
-                         f"{str(error)[:200]})") from error
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        head = path.read_bytes()[:4096]
+        code = re.findall(r"GLOBAL ([\w.]+)", str(error))  # torch names the callable it refused
+        code = code or [name for name in pickled_globals(path) if not name.startswith(("torch.", "collections."))]
+        if code:
+            why = (f"was refused, and not loaded, because it can run code when loaded (it calls {code[0]}). Do not "
+                   "load this file: use a checkpoint that a FlexLoop script wrote")
+        elif not head:
+            why = "is empty, not a FlexLoop checkpoint; use an earlier checkpoint (latest.pt, pretrained.pt)"
+        elif zipfile.is_zipfile(path) or head.startswith(b"PK"):
+            why = ("is corrupt or truncated (an incomplete torch archive), not a loadable FlexLoop checkpoint; use an "
+                   "earlier checkpoint (latest.pt, pretrained.pt) or copy the file again")
+        elif all(32 <= b < 127 or b in b"\t\r\n" for b in head):
+            why = "is a text file, not a FlexLoop checkpoint (a .pt file that flexloop_*.py writes into runs/<run>/)"
+        else:
+            why = (f"is not a FlexLoop checkpoint: torch cannot read it ({type(error).__name__}); it is corrupt, "
+                   "truncated or another kind of file")
+        raise ValueError(f"{path} {why}") from error
+
+
+def upgrade_checkpoint(checkpoint):
+    """The first format (flexloop-checkpoint-v1) counted iterations as "interval" (GC-IQL: as "global_step", one
+    update each) and did not name its script. Read it as the current format."""
+    if checkpoint.get("format") == OLD_CHECKPOINT_FORMAT:
+        checkpoint = {**checkpoint, "format": CHECKPOINT_FORMAT}
+        checkpoint.setdefault("iteration", checkpoint.pop("interval", checkpoint.get("global_step", 0)))
+    checkpoint.setdefault("script", f"flexloop_{checkpoint.get('algorithm')}")
+    checkpoint.setdefault("iteration_updates", 0)
+    return checkpoint
+
+
+def load_checkpoint(path, algorithm=ALGORITHM):
+    """A checkpoint of this algorithm, read safely (read_checkpoint_file) and checked to be a FlexLoop one."""
+    checkpoint = read_checkpoint_file(path)
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") not in (CHECKPOINT_FORMAT, OLD_CHECKPOINT_FORMAT):
         raise ValueError(f"{path} is not a FlexLoop checkpoint (no '{CHECKPOINT_FORMAT}' format tag)")
     missing = [k for k in ("algorithm", "args", "env_id", "depth", "model") if k not in checkpoint]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {missing}; it was not written by a FlexLoop script")
+    checkpoint = upgrade_checkpoint(checkpoint)
     if checkpoint["algorithm"] != algorithm:
-        raise ValueError(f"checkpoint {path} is from {checkpoint['algorithm']!r}, not {algorithm!r}; "
-                         f"use flexloop_{checkpoint['algorithm']}.py for it")
+        raise ValueError(f"checkpoint {path} is from {checkpoint['algorithm']!r}, not {algorithm!r}; use "
+                         f"{checkpoint['script']}.py for it")
     return checkpoint
-
-
-def build_network(args: Args, device):
-    if args.backbone == "lstm":
-        return LSTMQNetwork(args.depth, args.hidden_dim, args.num_critics, args.policy_temperature, args.init_alpha,
-                            args.obs_encoding).to(device)
-    return IRUQNetwork(args.depth, args.hidden_dim, args.num_critics, args.iru_variant, args.policy_temperature,
-                       args.init_alpha, args.obs_encoding).to(device)
-
-
-def network_from_checkpoint(checkpoint, device="cpu"):
-    """Rebuild the network from a checkpoint alone (used by eval_adaptive.py)."""
-    args = Args(**checkpoint["args"])
-    network = build_network(args, device)
-    network.load_state_dict(checkpoint["model"])
-    return network, args
 
 
 def parses(line):
@@ -624,6 +921,14 @@ class MetricsLog:
         return record
 
 
+def check_finite(metrics, updates):
+    """Stop at a NaN or inf, naming the term: no checkpoint is written with weights it has reached."""
+    for name, value in metrics.items():
+        if torch.is_tensor(value) and not torch.isfinite(value).all():
+            raise FloatingPointError(f"{name} became {value.item()} in the updates before update {updates}; "
+                                     "stopping. The last checkpoint written (latest.pt) is from before this.")
+
+
 def rng_state(generators):
     state = {"python": random.getstate()[1], "numpy": np.random.get_state()[1].tolist(), "torch": torch.get_rng_state()}
     state.update({name: g.get_state() for name, g in generators.items()})
@@ -639,297 +944,25 @@ def set_rng_state(state, generators):
         g.set_state(state[name])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------------------------------------
-LOSS_TERMS = ("td", "depth_kl", "alpha", "entropy", "bellman")  # the order of loss_sums
+class StopSignals:
+    """SIGTERM (SLURM preemption, kill) and Ctrl-C ask the run to stop: it finishes the update in progress, writes
+    latest.pt, prints the command that resumes it and exits cleanly. A second Ctrl-C quits at once."""
 
+    def __init__(self):
+        self.reason, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():  # Python takes signals in the main thread only
+            self.previous = {sig: signal.signal(sig, self.request) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weights, teacher=None,
-                    all_action_gradients=True):
-    """The named loss terms of one update on a batch, as device tensors (no host sync):
+    def request(self, signum, frame):
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        print(f"\n{self.reason}: stopping after this update to write latest.pt (Ctrl-C again quits without it)",
+              file=sys.stderr, flush=True)
 
-        td        sum_k w_k TD_k with w = td_weights (K,) and the target y = r + gamma * max_a' mean_critics
-                  Q(s', g, a'), Q the target network's at depth K, or the teacher's full-depth Q when given
-        depth_kl  the depth KL (args.depth_target: adjacent or final)
-        bellman   the inter-depth Bellman refinement on depths 1..K-2 (with a teacher only; else 0)
-        alpha     the temperature loss (entropy: a statistic)
-        loss      td + lambda_depth * depth_kl + bellman_weight * bellman + alpha
-
-    Only the depth KL needs gradients at all 6 actions. With all_action_gradients=False (a phase with
-    lambda_depth = 0) the online critic runs as the reference's dqn_interp.py runs it: with gradient at the
-    taken action alone, and over all 6 actions without gradient for the temperature's entropy (and the KL,
-    then a statistic). The loss and its gradient are the same; the backward pass is 6x smaller.
-    """
-    autocast = lambda: torch.autocast(batch["obs"].device.type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
-    obs, goal, action = batch["obs"], batch["goal"], batch["action"]
-    with torch.no_grad(), autocast():
-        bootstrap_q = target_network.final_depth(batch["next_obs"], goal) if teacher is None else \
-            teacher.final_depth(batch["next_obs"], goal)  # only the teacher's outputs
-    y = td_target(bootstrap_q, batch["reward"], args.gamma)
-    with torch.set_grad_enabled(all_action_gradients and torch.is_grad_enabled()), autocast():
-        q_per_depth = network.all_depths(obs, goal)  # (K, E, B, A)
-    if all_action_gradients:
-        q_taken = taken_action(q_per_depth, action)  # (K, E, B)
-    else:
-        with autocast():
-            q_taken = network.all_depths(obs, goal, action)[..., 0]
-    td = (td_weights * per_depth_td_loss(q_taken, y)).sum()
-    depth_kl = flexloop_depth_loss(q_per_depth, args.policy_temperature, args.depth_target)
-    bellman = q_taken.new_zeros(())
-    if teacher is not None:  # the student's own target network, every depth, for the inter-depth Bellman loss
-        with torch.no_grad(), autocast():
-            target_q_next = target_network.all_depths(batch["next_obs"], goal)
-        bellman = bellman_refinement_loss(q_taken, target_q_next, batch["reward"], args.gamma)
-    # Temperature: push the entropy of softmax(Q_K / alpha) towards -target_entropy.
-    q_full = q_per_depth[-1].mean(0).detach()
-    log_policy = F.log_softmax(q_full / network.log_alpha.exp(), -1)
-    entropy = -(log_policy.exp() * log_policy).sum(-1).mean()
-    alpha = (entropy + args.target_entropy) ** 2
-    loss = td + lambda_depth * depth_kl + args.bellman_weight * bellman + alpha
-    return dict(td=td, depth_kl=depth_kl, alpha=alpha, entropy=entropy, bellman=bellman, loss=loss)
-
-
-def make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums,
-                td_weights=None, teacher=None, all_action_gradients=True):
-    """One update: sample a relabelled batch, the losses of `flexloop_losses`, Adam, Polyak. No host sync,
-    fixed shapes: it can be captured in a CUDA graph. lambda_depth and td_weights are device tensors filled
-    per phase (td_weights defaults to depth K alone); the teacher is only ever read. all_action_gradients=False
-    is the faster update of a phase whose lambda_depth is 0 (see `flexloop_losses`)."""
-    if td_weights is None:
-        td_weights = torch.tensor(td_depth_weights("none", args.depth), device=lambda_depth.device)
-
-    def update():
-        batch = replay.sample(args.batch_size, generator)
-        terms = flexloop_losses(network, target_network, batch, args, lambda_depth, td_weights, teacher,
-                                all_action_gradients)
-        optimizer.zero_grad(set_to_none=False)
-        terms["loss"].backward()
-        optimizer.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(list(target_network.parameters()), list(network.parameters()), args.tau)
-            loss_sums.add_(torch.stack([terms[name] for name in LOSS_TERMS]).detach())
-        return batch  # (static outputs when captured: the test that each replay draws a fresh batch reads them)
-
-    return update
-
-
-def train(args: Args):
-    check_args(args)
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    checkpoint = load_checkpoint(args.resume) if args.resume else None
-    if checkpoint is not None:
-        missing = [k for k in ("run_name", "target_model", "optimizer", "rng", "interval", "updates", "global_step")
-                   if k not in checkpoint]
-        if missing:
-            raise ValueError(f"--resume {args.resume} lacks {missing}, which resuming needs; start a new run from "
-                             "its weights with --init-checkpoint instead")
-        # A resumed run keeps its own flags: only the checkpoint path comes from the command line.
-        resume_path, args = args.resume, Args(**checkpoint["args"])
-        args.resume = resume_path
-    init = load_checkpoint(args.init_checkpoint) if args.init_checkpoint and checkpoint is None else None
-    if init is not None:
-        check_compatible(init, args)
-    teacher = load_teacher(args, device) if args.teacher_checkpoint else None
-
-    run_name = checkpoint["run_name"] if checkpoint else \
-        f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    # A resumed run continues in the folder its checkpoint lies in, wherever that folder has moved.
-    run_dir = Path(args.resume).resolve().parent if checkpoint else Path(args.run_dir) / run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not os.access(run_dir, os.W_OK):
-        raise PermissionError(f"run folder {run_dir} is not writable; point --run-dir at a writable folder")
-
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.backends.cuda.matmul.allow_tf32 = True
-
-    # Envs: one for collection, one per split for evaluation, each with its own seeded task stream.
-    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=args.seed, split="train",
-                        episode_length=args.episode_length, quarter_filter=args.quarter_filter,
-                        check_actions=False).unwrapped
-    eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, seed=args.seed + 1000 + i,
-                                      split=split, episode_length=args.episode_length, check_actions=False).unwrapped
-                 for i, split in enumerate(["train", "unseen"])}
-    generators = {"actions": torch.Generator(device).manual_seed(args.seed),
-                  "replay": torch.Generator(device).manual_seed(args.seed + 1),
-                  "eval": torch.Generator(device).manual_seed(args.seed + 2),
-                  "env": env.generator, **{f"env_{s}": e.generator for s, e in eval_envs.items()}}
-
-    network = build_network(args, device)
-    target_network = build_network(args, device)
-    if init is not None:
-        network.load_state_dict(init["model"])
-    target_network.load_state_dict(network.state_dict())
-    target_network.requires_grad_(False)
-    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=device.type == "cuda")
-    replay = TrajectoryReplay(args.num_envs, args.replay_episodes, args.episode_length, device,
-                              args.future_goal_fraction, args.future_discount)
-
-    # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network or a teacher was given, then FlexLoop.
-    skip_pretraining = args.init_checkpoint or teacher is not None
-    phases = [] if skip_pretraining else [("pretrain", args.pretrain_epochs * args.intervals_per_epoch, 0.0)]
-    phases.append(("flexloop", args.num_epochs * args.intervals_per_epoch, args.lambda_depth))
-    phases = [p for p in phases if p[1] > 0]
-    total_intervals = sum(p[1] for p in phases)
-    interval, updates, env_steps, last_metrics, wandb_id = 0, 0, 0, {}, None
-    if checkpoint is not None:
-        network.load_state_dict(checkpoint["model"])
-        target_network.load_state_dict(checkpoint["target_model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        set_rng_state(checkpoint["rng"], generators)
-        interval, updates, env_steps = checkpoint["interval"], checkpoint["updates"], checkpoint["global_step"]
-        last_metrics, wandb_id = checkpoint.get("metrics", {}), checkpoint.get("wandb_id")
-        print(f"resuming {run_name} at interval {interval}/{total_intervals} (the replay refills from fresh episodes)")
-
-    wandb_run = None
-    if args.track:
-        import wandb
-        wandb_run = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, group=args.wandb_group,
-                               tags=list(args.wandb_tags), config=asdict(args), name=run_name,
-                               id=wandb_id, resume="allow", dir=str(run_dir))
-        wandb_id = wandb_run.id
-    metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume_step=env_steps if checkpoint else None,
-                             wandb_run=wandb_run)
-
-    def make_checkpoint(phase):
-        # Weights a NaN/inf has reached are never saved: the losses summed since the last log are checked first.
-        check_finite(dict(zip(["losses/td_loss", "losses/depth_kl", "losses/alpha_loss", "charts/policy_entropy",
-                               "losses/bellman_loss"], loss_sums)), updates)
-        return {"format": CHECKPOINT_FORMAT, "algorithm": ALGORITHM, "args": asdict(args), "env_id": args.env_id,
-                "depth": args.depth, "run_name": run_name, "model": network.state_dict(),
-                "target_model": target_network.state_dict(), "optimizer": optimizer.state_dict(),
-                "interval": interval, "updates": updates, "global_step": env_steps, "phase": phase,
-                "rng": rng_state(generators), "metrics": last_metrics, "wandb_id": wandb_id}
-
-    def phase_at(i):
-        start = 0
-        for name, length, lam in phases:
-            if i < start + length:
-                return name, lam, start + length
-            start += length
-        return phases[-1][0], phases[-1][2], start
-
-    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
-    # The TD loss's weight per depth: depth K in pretraining; as --ablation says in the FlexLoop phase.
-    phase_td_weights = {phase: torch.tensor(td_depth_weights(args.ablation if phase == "flexloop" else "none",
-                                                             args.depth), device=device)
-                        for phase in ["pretrain", "flexloop"]}
-    td_weights = torch.zeros(args.depth, device=device)
-    loss_sums = torch.zeros(len(LOSS_TERMS), device=device)  # summed on the device between logs
-    # One update function per phase: a phase with lambda = 0 needs no gradient at the untaken actions.
-    updates_by_phase = {}
-    pbar = tqdm(total=total_intervals, initial=interval, desc=run_name, dynamic_ncols=True)
-    interrupted = []
-    signal.signal(signal.SIGTERM, lambda *_: interrupted.append(True))  # SLURM preemption: save, then exit
-
-    def collect():  # one training episode in every env at full depth
-        return run_episode(network, env, args.depth, generators["actions"])
-
-    if args.cuda_graph and device.type == "cuda":
-        collect = capture_cuda_graph(collect, [generators["actions"], env.generator])
-
-    start_time, start_updates, start_steps = time.time(), updates, env_steps
-    while interval < total_intervals:
-        phase, lam, _ = phase_at(interval)
-        lambda_depth.fill_(lam)
-        td_weights.copy_(phase_td_weights[phase])  # device to device: no host sync
-        observations, actions, lengths, success, _ = collect()
-        replay.add(observations, actions, lengths)
-        env_steps += args.num_envs * args.episode_length
-
-        if phase not in updates_by_phase:
-            run_update = make_update(args, network, target_network, optimizer, replay, generators["replay"],
-                                     lambda_depth, loss_sums, td_weights, teacher, all_action_gradients=lam > 0)
-            if args.compile and device.type == "cuda":
-                run_update = torch.compile(run_update)
-            if args.cuda_graph and device.type == "cuda":
-                run_update = capture_cuda_graph(run_update, [generators["replay"]])
-                updates += CUDA_GRAPH_WARMUP  # the capture's warm-up runs real updates
-            updates_by_phase[phase] = run_update
-        run_update = updates_by_phase[phase]
-        for _ in range(args.updates_per_rollout):
-            run_update()
-        updates += args.updates_per_rollout
-        interval += 1
-        pbar.update(1)
-
-        if interval % args.log_every == 0 or interval == total_intervals:
-            sums = loss_sums / (args.log_every * args.updates_per_rollout)
-            metrics = {"phase": phase, "charts/interval": interval, "charts/updates": updates,
-                       "losses/td_loss": sums[0], "losses/depth_kl": sums[1], "losses/alpha_loss": sums[2],
-                       "charts/policy_entropy": sums[3], "losses/bellman_loss": sums[4],
-                       "charts/alpha": network.log_alpha.exp(),
-                       "charts/lambda_depth": lam, "charts/train_success": success.mean(),
-                       "charts/SPS": int((env_steps - start_steps) / (time.time() - start_time)),
-                       "charts/updates_per_second": (updates - start_updates) / (time.time() - start_time)}
-            check_finite(metrics, updates)
-            loss_sums.zero_()
-            last_metrics = metrics_log.write(metrics, env_steps)
-            pbar.set_postfix(td=f"{last_metrics['losses/td_loss']:.3g}", kl=f"{last_metrics['losses/depth_kl']:.3g}")
-        if interval % args.eval_every == 0 or interval == total_intervals or phase_at(interval)[0] != phase:
-            results = metrics_log.write({"phase": phase, **evaluate(network, eval_envs, generators["eval"])}, env_steps)
-            last_metrics.update(results)
-            pbar.write(format_eval(results, args.depth, interval))
-        if phase == "pretrain" and phase_at(interval)[0] != phase:
-            save_checkpoint(run_dir / "pretrained.pt", make_checkpoint(phase))  # the IRU-K baseline
-        if interval % args.save_every == 0 or interval == total_intervals or interrupted:
-            save_checkpoint(run_dir / "latest.pt", make_checkpoint(phase_at(interval)[0]))
-        if interrupted:
-            pbar.write(f"SIGTERM: saved {run_dir / 'latest.pt'} at interval {interval}; resume with "
-                       f"--resume {run_dir / 'latest.pt'}")
-            break
-    pbar.close()
-    if not interrupted:
-        save_checkpoint(run_dir / "final.pt", make_checkpoint(phases[-1][0]))
-    metrics_log.file.close()
-    if wandb_run is not None:
-        wandb_run.finish()
-    return run_dir
-
-
-def check_compatible(init, args):
-    """A pretrained checkpoint must match this run's env family, depth and network shape."""
-    theirs = {"backbone": "iru", **init["args"]}  # checkpoints from before --backbone hold IRUs
-    for key in ["depth", "hidden_dim", "num_critics", "iru_variant", "obs_encoding", "backbone"]:
-        if theirs[key] != getattr(args, key):
-            raise ValueError(f"--init-checkpoint was trained with {key}={theirs[key]!r} but this run has "
-                             f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {theirs[key]}")
-    if init["env_id"] != args.env_id:
-        raise ValueError(f"--init-checkpoint was trained on {init['env_id']} but this run is on {args.env_id}; "
-                         f"pass --env-id {init['env_id']}")
-
-
-def load_teacher(args, device):
-    """The output-only teacher of FlexLoop from scratch: a separate, frozen network built from its own
-    checkpoint (any depth, width or backbone). Only its Q-values are read; no optimiser holds it and its
-    weights are never copied into the student, whose checkpoints do not hold them either."""
-    checkpoint = load_checkpoint(args.teacher_checkpoint)
-    if checkpoint["env_id"] != args.env_id:
-        raise ValueError(f"--teacher-checkpoint was trained on {checkpoint['env_id']} but this run is on "
-                         f"{args.env_id}; pass --env-id {checkpoint['env_id']}")
-    teacher, _ = network_from_checkpoint(checkpoint, device)
-    return teacher.requires_grad_(False)
-
-
-def check_finite(metrics, updates):
-    for name, value in metrics.items():
-        if torch.is_tensor(value) and not torch.isfinite(value).all():
-            raise FloatingPointError(f"{name} became {value.item()} in the updates before update {updates}; "
-                                     "stopping. The last checkpoint written (latest.pt) is from before this.")
-
-
-def format_eval(results, depth, interval):
-    lines = [f"interval {interval} success by depth 1..{depth}:"]
-    for split in ["train", "unseen"]:
-        values = " ".join(f"{results[f'eval/{split}/success_depth_{k}']:.3f}" for k in range(1, depth + 1))
-        lines.append(f"  {split:7s} {values}")
-    return "\n".join(lines)
-
-
-CUDA_GRAPH_WARMUP = 3
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def capture_cuda_graph(fn, generators):
@@ -938,7 +971,7 @@ def capture_cuda_graph(fn, generators):
     Warm-up calls run on a side stream first, as torch.cuda.graphs requires; they do real work. The random
     generators fn draws from are registered, so every replay draws fresh numbers.
 
-    A run captures again mid-run (each phase has its own update). On an H200 that second capture failed
+    A run captures again mid-run (GC-DQN: each phase has its own update). On an H200 that second capture failed
     (cudaErrorStreamCaptureImplicit in the backward pass) with the default global capture mode; eval_adaptive's
     mid-run captures failed the same way until garbage was collected first, the collector paused during the
     capture and the capture mode made thread-local, so the same is done here."""
@@ -968,5 +1001,310 @@ def capture_cuda_graph(fn, generators):
     return replay
 
 
+def duration(seconds):
+    minutes, hours = seconds / 60, seconds / 3600
+    return f"{hours / 24:.1f} days" if hours >= 48 else f"{hours:.1f} h" if minutes >= 90 else \
+        f"{minutes:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+class Run:
+    """One training run's bookkeeping, in the order train uses it:
+
+        run = Run(args)            flags checked (a resumed run's own), checkpoints read, device, seeds; no files yet
+        run.begin(...)             run folder, W&B, metrics log, state restored on --resume, stop signals, progress
+        while run.running():       until the last iteration, or a stop (SIGTERM, Ctrl-C)
+            run.phase()            (phase, lambda_depth) of this iteration
+            run.update_steps(n)    the iteration's update loop; it ends early when a stop comes
+            run.end_iteration()    the counters move on (False when a stop cut the updates short)
+            run.log_due() / run.log(metrics), run.evaluate_due() / run.evaluate(fn, ...), run.save_due()
+        run.finish()               final.pt, or latest.pt and the command that resumes the run
+
+    Counters: `iteration` counts collect -> update rounds, `global_step` env steps (GC-IQL: updates), `updates`
+    gradient steps; checkpoints and metrics use these names."""
+
+    def __init__(self, args):
+        check_args(args)
+        if args.save_every_minutes < 0:
+            raise ValueError(f"--save-every-minutes must be >= 0 (0: never), got {args.save_every_minutes}")
+        self.checkpoint = load_checkpoint(args.resume) if args.resume else None
+        self.args = args = resumed_args(self.checkpoint, args) if self.checkpoint else args
+        self.init = None
+        if args.init_checkpoint and self.checkpoint is None:
+            self.init = load_checkpoint(args.init_checkpoint)
+            check_compatible(self.init, args)
+        self.device = pick_device(args)
+        self.cuda_graph = args.cuda_graph and self.device.type == "cuda"
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def begin(self, phases, parts, generators, loss_sums, steps_per_iteration, updates_per_iteration,
+              progress="updates"):
+        """phases: (name, iterations, lambda_depth) in order; parts: the CHECKPOINT_PARTS (modules, the optimiser;
+        None where absent), read whenever a checkpoint is written; loss_sums: the LOSS_NAMES summed on the device
+        since the last log; progress: what the progress bar counts, "updates" or "env steps"."""
+        args, checkpoint = self.args, self.checkpoint
+        self.phases = [p for p in phases if p[1] > 0]
+        if not self.phases:
+            raise ValueError("nothing to train: every phase has a budget of 0; raise the pretraining or the "
+                             "post-training budget")
+        self.total_iterations = sum(length for _, length, _ in self.phases)
+        self.parts, self.generators, self.loss_sums = parts, generators, loss_sums
+        self.steps_per_iteration, self.updates_per_iteration = steps_per_iteration, updates_per_iteration
+        self.name = checkpoint["run_name"] if checkpoint else \
+            f"{getattr(args, ENV_FLAG)}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        # A resumed run continues in the folder its checkpoint lies in, wherever that folder has moved.
+        self.dir = Path(args.resume).resolve().parent if checkpoint else Path(args.run_dir) / self.name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.dir, os.W_OK):
+            raise PermissionError(f"run folder {self.dir} is not writable; point --run-dir at a writable folder")
+        self.iteration = self.global_step = self.updates = self.iteration_updates = 0
+        self.last_metrics, self.wandb_id = {}, None
+        if checkpoint is not None:
+            for name, part in parts.items():
+                if part is not None and checkpoint.get(name) is not None:
+                    part.load_state_dict(checkpoint[name])
+            set_rng_state(checkpoint["rng"], generators)
+            self.iteration, self.global_step, self.updates = (checkpoint[k] for k in ("iteration", "global_step",
+                                                                                       "updates"))
+            self.iteration_updates = checkpoint["iteration_updates"]
+            self.last_metrics, self.wandb_id = checkpoint.get("metrics", {}), checkpoint.get("wandb_id")
+            print(f"resuming {self.name} at iteration {self.iteration}/{self.total_iterations}, update {self.updates} "
+                  "(what checkpoints do not hold starts afresh: the replay refills, the envs start new episodes)")
+        self.wandb_run = None
+        if args.track:
+            import wandb
+            self.wandb_run = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity,
+                                        group=args.wandb_group, tags=list(args.wandb_tags), config=asdict(args),
+                                        name=self.name, id=self.wandb_id, resume="allow", dir=str(self.dir),
+                                        save_code=True)
+            self.wandb_id = self.wandb_run.id
+        self.metrics_log = MetricsLog(self.dir / "metrics.jsonl", self.global_step if checkpoint else None,
+                                      self.wandb_run)
+        self.stop = StopSignals()
+        self.progress_unit = progress
+        per_iteration = updates_per_iteration if progress == "updates" else steps_per_iteration
+        done = self.updates if progress == "updates" else self.global_step
+        self.progress = tqdm(total=self.total_iterations * per_iteration, initial=done, desc=self.name,
+                             unit=" " + progress, dynamic_ncols=True)
+        self.started = self.last_save = self.clock = time.perf_counter()
+        self.first_tick, self.projected = None, False
+        self.train_seconds, self.logged = 0.0, (self.global_step, self.updates)
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *error):
+        """Whatever happens: the progress bar, the metrics log and W&B closed, the signal handlers given back."""
+        self.progress.close()
+        self.metrics_log.file.close()
+        self.stop.restore()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+    def phase_of(self, iteration):
+        start = 0
+        for name, length, lambda_depth in self.phases:
+            if iteration < start + length:
+                return name, lambda_depth
+            start += length
+        return self.phases[-1][0], self.phases[-1][2]
+
+    def phase(self):
+        return self.phase_of(self.iteration)
+
+    def running(self):
+        return self.iteration < self.total_iterations and self.stop.reason is None
+
+    def graphed(self, fn, generators, *args):
+        """fn(*args) replayed from a CUDA graph with --cuda-graph on a GPU, eager otherwise."""
+        fn = partial(fn, *args)
+        return capture_cuda_graph(fn, generators) if self.cuda_graph else fn
+
+    def graphed_update(self, update, generators):
+        """The update replayed from a CUDA graph (see graphed); the capture's warm-up updates are counted."""
+        if self.cuda_graph:
+            self.updates += CUDA_GRAPH_WARMUP
+        return self.graphed(update, generators)
+
+    def update_steps(self, count):
+        """range(count) for an iteration's update loop. It ends early, within one update, when a stop comes, and
+        skips the updates that a stopped iteration had done before it was resumed. Counts each update, moves the
+        progress bar and writes latest.pt every --save-every-minutes."""
+        for i in range(self.iteration_updates, count):
+            if self.stop.reason is not None:
+                return
+            yield i
+            self.updates += 1
+            self.iteration_updates += 1
+            self.tick(1 if self.progress_unit == "updates" else 0)
+            if 0 < self.args.save_every_minutes <= (time.perf_counter() - self.last_save) / 60:
+                self.save("latest.pt")
+
+    def end_iteration(self):
+        """The counters move on to the next iteration; False (and they stay) when a stop cut the updates short."""
+        if self.iteration_updates < self.updates_per_iteration:
+            return False
+        self.iteration += 1
+        self.global_step += self.steps_per_iteration
+        self.iteration_updates = 0
+        self.tick(self.steps_per_iteration if self.progress_unit == "env steps" else 0)
+        return True
+
+    def tick(self, amount):
+        """The progress bar, and once, after a measured stretch, the projected time of the whole run."""
+        self.progress.update(amount)
+        now = time.perf_counter()
+        if self.first_tick is None and self.progress.n > self.progress.initial:
+            self.first_tick = (now, self.progress.n)
+        elif self.first_tick is not None and not self.projected and self.progress.n > self.first_tick[1] and (
+                now - self.first_tick[0] >= 15 or self.iteration >= 2):
+            rate = (self.progress.n - self.first_tick[1]) / (now - self.first_tick[0])
+            left = (self.progress.total - self.progress.n) / rate
+            self.progress.write(f"projected: {duration(now - self.started + left)} for the whole run, "
+                                f"{duration(left)} left ({rate:.3g}{self.progress.unit}/s on {self.device.type})"
+                                + (f"; for a CPU run that finishes in minutes see {CPU_HELP}"
+                                   if self.device.type == "cpu" and left > 3600 else ""))
+            self.projected = True
+
+    def due(self, every):
+        return self.iteration % every == 0 or self.iteration == self.total_iterations
+
+    def phase_ends(self):
+        return self.phase_of(self.iteration - 1)[0] != self.phase_of(self.iteration)[0]
+
+    def log_due(self):
+        return self.due(self.args.log_every)
+
+    def evaluate_due(self):
+        return self.due(self.args.eval_every) or self.phase_ends()
+
+    def log(self, metrics):
+        """The loss means since the last log, the counters, speed and the given metrics: metrics.jsonl and W&B."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.train_seconds += now - self.clock
+        steps, updates = self.global_step - self.logged[0], self.updates - self.logged[1]
+        metrics = {"phase": self.phase_of(self.iteration - 1)[0], "charts/iteration": self.iteration,
+                   "charts/updates": self.updates, **dict(zip(LOSS_NAMES, self.loss_sums / max(updates, 1))),
+                   "charts/SPS": int(steps / max(self.train_seconds, 1e-9)),
+                   "charts/updates_per_second": updates / max(self.train_seconds, 1e-9), **metrics}
+        check_finite({name: metrics[name] for name in LOSS_NAMES}, self.updates)
+        self.loss_sums.zero_()
+        self.last_metrics = self.metrics_log.write(metrics, self.global_step)
+        self.progress.set_postfix({name.split("/")[-1]: f"{self.last_metrics[name]:.3g}" for name in LOSS_NAMES[:2]})
+        self.train_seconds, self.logged, self.clock = 0.0, (self.global_step, self.updates), time.perf_counter()
+
+    def evaluate(self, evaluate, *args, **kwargs):
+        """evaluate(*args, **kwargs) -> {metric: value}, logged and printed; its time is not training time (SPS)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.train_seconds += time.perf_counter() - self.clock
+        results = evaluate(*args, **kwargs)
+        self.last_metrics.update(self.metrics_log.write({"phase": self.phase_of(self.iteration - 1)[0], **results},
+                                                        self.global_step))
+        self.progress.write(format_eval(results, self.args.depth, self.iteration))
+        self.clock = time.perf_counter()
+        return results
+
+    def save_due(self):
+        """pretrained.pt when pretraining ends; latest.pt every --save-every iterations and at the end."""
+        if self.phase_of(self.iteration - 1)[0] == "pretrain" and self.phase_ends():
+            self.save("pretrained.pt")  # the IRU-K baseline
+        if self.due(self.args.save_every):
+            self.save("latest.pt")
+
+    def save(self, name):
+        """A checkpoint: everything that evaluating or resuming this run needs, written atomically."""
+        check_finite(dict(zip(LOSS_NAMES, self.loss_sums)), self.updates)  # never save weights a NaN reached
+        save_checkpoint(self.dir / name, {
+            "format": CHECKPOINT_FORMAT, "algorithm": ALGORITHM, "script": SCRIPT, "args": asdict(self.args),
+            "env_id": getattr(self.args, ENV_FLAG), "depth": self.args.depth, "run_name": self.name,
+            "phase": self.phase_of(max(self.iteration - 1, 0))[0], "iteration": self.iteration,
+            "iteration_updates": self.iteration_updates, "global_step": self.global_step, "updates": self.updates,
+            "rng": rng_state(self.generators), "metrics": self.last_metrics, "wandb_id": self.wandb_id,
+            **{name: None if part is None else part.state_dict() for name, part in self.parts.items()}})
+        self.last_save = time.perf_counter()
+
+    def finish(self):
+        """final.pt when the run is complete; when it was stopped, latest.pt and the command that resumes it."""
+        if self.stop.reason is None:
+            self.save("final.pt")
+            return self.dir
+        self.save("latest.pt")
+        self.progress.write(f"{self.stop.reason}: saved {self.dir / 'latest.pt'} at iteration {self.iteration} "
+                            f"(update {self.updates}); resume with\n    python {os.path.relpath(__file__)} --resume "
+                            f"{self.dir / 'latest.pt'}")
+        return self.dir
+# --- end of run plumbing ---
+
+
+def train(args: Args):
+    run = Run(args)  # the flags checked (a resumed run's own), checkpoints read, the device picked, seeds set
+    args, device = run.args, run.device
+    env, eval_envs = make_envs(args, device)
+    generators = {"actions": torch.Generator(device).manual_seed(args.seed),
+                  "replay": torch.Generator(device).manual_seed(args.seed + 1),
+                  "eval": torch.Generator(device).manual_seed(args.seed + 2),
+                  "env": env.generator, **{f"env_{s}": e.generator for s, e in eval_envs.items()}}
+    network = build_network(args, device)
+    if run.init is not None:
+        network.load_state_dict(run.init["model"])
+    target_network = copy.deepcopy(network).requires_grad_(False)
+    teacher = load_teacher(args, device) if args.teacher_checkpoint else None  # FlexLoop from scratch
+    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=device.type == "cuda")
+    replay = TrajectoryReplay(args.num_envs, args.replay_episodes, args.episode_length, device,
+                              args.future_goal_fraction, args.future_discount)
+    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
+    loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
+    td_weights = torch.zeros(args.depth, device=device)  # the TD loss's weight per depth, set per phase
+
+    # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network or a teacher was given, then FlexLoop,
+    # whose TD term is as --ablation says.
+    pretrain_epochs = 0 if run.init is not None or teacher is not None else args.pretrain_epochs
+    phases = [("pretrain", pretrain_epochs * args.intervals_per_epoch, 0.0),
+              ("flexloop", args.num_epochs * args.intervals_per_epoch, args.lambda_depth)]
+    phase_td_weights = {"pretrain": torch.tensor(td_depth_weights("none", args.depth), device=device),
+                        "flexloop": torch.tensor(td_depth_weights(args.ablation, args.depth), device=device)}
+    parts = {"model": network, "target_model": target_network, "optimizer": optimizer}
+    run.begin(phases, parts, generators, loss_sums, steps_per_iteration=args.num_envs * args.episode_length,
+              updates_per_iteration=args.updates_per_rollout, progress="updates")
+    # One training episode in every env at full depth, replayed from a CUDA graph on a GPU.
+    collect = run.graphed(run_episode, [generators["actions"], env.generator], network, env, args.depth,
+                          generators["actions"])
+    updates_by_phase = {}  # one update per phase: a phase with lambda = 0 needs no gradient at untaken actions
+
+    with run:
+        while run.running():
+            phase, lam = run.phase()
+            lambda_depth.fill_(lam)
+            td_weights.copy_(phase_td_weights[phase])  # device to device: no host sync
+            observations, actions, lengths, success, _ = collect()
+            replay.add(observations, actions, lengths)
+
+            if phase not in updates_by_phase:  # made at the phase's first iteration, once the replay holds data
+                update = make_update(args, network, target_network, optimizer, replay, generators["replay"],
+                                     lambda_depth, loss_sums, td_weights, teacher, all_action_gradients=lam > 0)
+                update = torch.compile(update) if args.compile and device.type == "cuda" else update
+                updates_by_phase[phase] = run.graphed_update(update, [generators["replay"]])
+            for _ in run.update_steps(args.updates_per_rollout):
+                updates_by_phase[phase]()
+            if not run.end_iteration():
+                break  # stopped mid-iteration (SIGTERM, Ctrl-C): finish() writes latest.pt
+
+            if run.log_due():
+                run.log({"charts/lambda_depth": lam, "charts/alpha": network.log_alpha.exp(),
+                         "charts/train_success": success.mean()})
+            if run.evaluate_due():
+                run.evaluate(evaluate, network, eval_envs, generators["eval"])
+            run.save_due()
+        return run.finish()
+
+
 if __name__ == "__main__":
-    train(tyro.cli(Args))
+    with errors_in_one_line():
+        train(parse_args())

@@ -1,5 +1,4 @@
-"""FlexLoop post-training of IRU GC-IQL on an OGBench dataset (offline; one file, CleanRL style).
-
+"""FlexLoop post-training of IRU GC-IQL on an OGBench dataset (offline; one file, CleanRL style):
     python -m envs.ogbench_data generate --env pointmaze-large-stitch-v0 --out ~/.ogbench/data   # or download
     python flexloop_gciql.py --env-name pointmaze-large-stitch-v0                  # pretrain IRU-5, then FlexLoop
     python flexloop_gciql.py --env-name pointmaze-large-stitch-v0 --init-checkpoint runs/X/pretrained.pt
@@ -17,17 +16,25 @@ teacher's, so the student cannot shrink the loss by inflating its own scale, and
 dimensions so that one lambda serves datasets with 2 to 8 action dimensions.
 """
 
+import contextlib
+import copy
+import gc
 import io
 import json
 import math
 import os
+import pickletools
 import random
+import re
 import signal
+import sys
+import threading
 import time
-from dataclasses import asdict, dataclass, replace
+import zipfile
+from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, NamedTuple, Optional
 
 import gymnasium
 import numpy as np
@@ -39,24 +46,19 @@ from tqdm.auto import tqdm
 
 from envs import ogbench_data
 
-ALGORITHM = "gciql"
-CHECKPOINT_FORMAT = "flexloop-checkpoint-v1"
 TASK_IDS = (1, 2, 3, 4, 5)  # OGBench's evaluation tasks, 1-indexed as env.reset(options=dict(task_id=k)) takes them
 ACTOR_STD = 1.0  # OGBench's const_std=True: the actor's Gaussian has a fixed unit std
 
 
 @dataclass
-class Args:
-    exp_name: str = "flexloop_gciql"
+class ExperimentArgs:
+    """experiment and logging"""
+    exp_name: str = Path(__file__).stem
     """the name of this experiment (part of the run name)"""
     seed: int = 1
     """seed of the experiment"""
     torch_deterministic: bool = True
     """sets `torch.backends.cudnn.deterministic`"""
-    cuda: bool = True
-    """use CUDA when it is available (see `require_cuda` to fail instead of falling back to CPU)"""
-    require_cuda: bool = False
-    """fail instead of falling back to CPU when no GPU is present"""
     track: bool = False
     """log to Weights & Biases (honours WANDB_MODE=offline)"""
     wandb_project_name: str = "flexloop"
@@ -71,10 +73,19 @@ class Args:
     """runs are written to <run_dir>/<run_name>/ (metrics.jsonl, checkpoints)"""
     resume: Optional[str] = None
     """continue the run whose checkpoint is at this path (its run folder, flags and W&B id are reused)"""
-    init_checkpoint: Optional[str] = None
-    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining)"""
+    log_every: int = 10_000
+    """log training metrics every this many iterations (here an iteration is one update)"""
+    save_every: int = 50_000
+    """write the latest checkpoint every this many iterations"""
+    save_every_minutes: float = 15.0
+    """also write it every this many minutes, between updates (0: never)"""
+    debug: bool = False
+    """show the full traceback of an error (also FLEXLOOP_DEBUG=1)"""
 
-    # Dataset
+
+@dataclass
+class EnvironmentArgs:
+    """environment: the OGBench dataset"""
     env_name: str = "pointmaze-large-stitch-v0"
     """scene-play-v0, cube-double-play-v0, puzzle-4x4-play-v0, antmaze-medium-stitch-v0 or pointmaze-large-stitch-v0"""
     dataset_dir: Optional[str] = None
@@ -84,45 +95,57 @@ class Args:
     download: bool = True
     """download a missing dataset into the dataset folder (ogbench's behaviour); --no-download fails at once"""
 
-    # IRU networks (value, critic and actor alike)
+
+@dataclass
+class NetworkArgs:
+    """network: the value, critic and actor IRUs alike"""
     depth: int = 5
     """K, the number of recurrent steps of each IRU"""
+    iru_variant: Literal["residual", "paper"] = "residual"
+    """residual: the public code (gates and heads read h = sum tanh(c)); paper: the paper's equation (tanh(c), c)"""
+    backbone: Literal["iru", "lstm"] = "iru"
+    """iru: the IRU cell; lstm: an LSTM cell unrolled over depth, for all three networks (§5.4's backbone ablation)"""
     hidden_dim: int = 256
     """IRU width d"""
     num_critics: int = 2
     """critic ensemble size (the value and actor losses use the minimum over the ensemble)"""
-    iru_variant: Literal["residual", "paper"] = "residual"
-    """residual: the public code (gates and head read h = sum tanh(c)); paper: the paper's equation (tanh(c), c)"""
-    backbone: Literal["iru", "lstm"] = "iru"
-    """iru: the IRU cell; lstm: an LSTM cell unrolled over depth, for all three networks (§5.4's backbone ablation)"""
 
-    # GC-IQL
-    learning_rate: float = 3e-4
-    """Adam learning rate (all three networks)"""
+
+@dataclass
+class AlgorithmArgs:
+    """algorithm: GC-IQL"""
+    pretrain_steps: int = 1_000_000
+    """IRU-K pretraining updates (lambda = 0) when no --init-checkpoint is given"""
+    total_steps: int = 1_000_000
+    """FlexLoop post-training updates"""
     batch_size: int = 1024
     """transitions per update"""
-    gamma: float = 0.99
-    """discount (also the geometric rate of the value's trajectory goals)"""
+    learning_rate: float = 3e-4
+    """Adam learning rate (all three networks)"""
     tau: float = 0.005
     """Polyak rate of the target critic, applied every update"""
     expectile: float = 0.9
     """expectile of the value loss"""
     alpha: Optional[float] = None
-    """BC weight of the DDPG+BC actor loss (default: the dataset's, REFERENCE.md §4)"""
-    pretrain_steps: int = 1_000_000
-    """IRU-K pretraining updates (lambda = 0) when no --init-checkpoint is given"""
-    total_steps: int = 1_000_000
-    """FlexLoop post-training updates"""
+    """BC weight of the DDPG+BC actor loss (default: the dataset's, DATASET_HYPERPARAMETERS)"""
+    gamma: float = 0.99
+    """discount (also the geometric rate of the value's trajectory goals)"""
 
-    # FlexLoop
-    lambda_depth: Optional[float] = None
-    """weight of the adjacent-depth normalised KL on the actor (default: the dataset's, REFERENCE.md §4; 0 = IRU-K)"""
+
+@dataclass
+class FlexLoopArgs:
+    """FlexLoop: the depth loss and where post-training starts"""
     depth_target: Literal["adjacent", "final"] = "adjacent"
     """adjacent: D~(sg[pi_{k+1}] || pi_k) (FlexLoop); final: every depth distilled from depth K, D~(sg[pi_K] || pi_k)"""
+    init_checkpoint: Optional[str] = None
+    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining)"""
+    lambda_depth: Optional[float] = None
+    """weight of the adjacent-depth normalised KL on the actor (default: the dataset's; 0 = plain IRU-K training)"""
 
-    # Evaluation, logging, speed
-    eval_every: int = 100_000
-    """evaluate every depth on every task every this many updates (and at the end of each phase)"""
+
+@dataclass
+class EvaluationArgs:
+    """evaluation"""
     eval_episodes: int = 50
     """episodes per task and depth (0: no evaluation during training, e.g. on a machine without MuJoCo;
     evaluate the checkpoints later with eval_adaptive.py)"""
@@ -130,14 +153,60 @@ class Args:
     """OGBench envs stepped side by side during evaluation; the policy acts on all of them in one batch"""
     eval_async: bool = True
     """step the evaluation envs in subprocesses (gymnasium AsyncVectorEnv, one per env); False: in this process"""
-    log_every: int = 10_000
-    """log training metrics every this many updates"""
-    save_every: int = 50_000
-    """write the latest checkpoint every this many updates"""
+    eval_every: int = 100_000
+    """evaluate every depth on every task every this many iterations (and at the end of each phase)"""
+
+
+@dataclass
+class PerformanceArgs:
+    """performance: device and speed"""
+    cuda: bool = True
+    """use CUDA when it is available (see --require-cuda to make its absence an error)"""
+    require_cuda: bool = False
+    """fail instead of falling back to CPU when no GPU is present"""
     compile: bool = True
     """torch.compile the losses (CUDA only: on CPU compiling costs more than it saves)"""
     cuda_graph: bool = True
     """capture one update (sampling included) in a CUDA graph and replay it (CUDA only)"""
+
+
+@dataclass
+class Args(PerformanceArgs, EvaluationArgs, FlexLoopArgs, AlgorithmArgs, NetworkArgs, EnvironmentArgs, ExperimentArgs):
+    """Every flag, flat (args.lambda_depth). --help shows them in the groups above (see parse_args)."""
+
+
+class DatasetHyperparameters(NamedTuple):
+    alpha: float  # the BC weight of the DDPG+BC actor loss
+    lambda_depth: float  # the weight of the depth loss
+    actor_goals: tuple[float, float, float]  # where the actor's goals come from: P(current, trajectory, random state)
+
+
+# Per-dataset hyperparameters (REFERENCE.md §4); --alpha and --lambda-depth override the first two.
+DATASET_HYPERPARAMETERS = {
+    "scene-play-v0": DatasetHyperparameters(alpha=1.0, lambda_depth=0.05, actor_goals=(0.0, 1.0, 0.0)),
+    "cube-double-play-v0": DatasetHyperparameters(alpha=1.0, lambda_depth=0.02, actor_goals=(0.0, 1.0, 0.0)),
+    "puzzle-4x4-play-v0": DatasetHyperparameters(alpha=1.0, lambda_depth=0.2, actor_goals=(0.0, 1.0, 0.0)),
+    "antmaze-medium-stitch-v0": DatasetHyperparameters(alpha=0.3, lambda_depth=0.03, actor_goals=(0.0, 0.5, 0.5)),
+    "pointmaze-large-stitch-v0": DatasetHyperparameters(alpha=0.003, lambda_depth=0.3, actor_goals=(0.0, 0.5, 0.5)),
+}
+
+
+def resolve_dataset_defaults(args: Args):
+    """A copy of args with alpha and lambda_depth set to the dataset's values where not given, so that the run
+    records the values it used."""
+    dataset = DATASET_HYPERPARAMETERS[args.env_name]
+    return replace(args, alpha=dataset.alpha if args.alpha is None else args.alpha,
+                   lambda_depth=dataset.lambda_depth if args.lambda_depth is None else args.lambda_depth)
+
+
+# What the run plumbing (below) needs to know about this script.
+ENV_FLAG = "env_name"  # the flag naming the env: run names, checkpoints and --init-checkpoint checks read it
+RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug", "dataset_dir", "dataset_path")
+ALGORITHM = "gciql"
+NETWORK_FLAGS = ("depth", "hidden_dim", "num_critics", "iru_variant", "backbone")  # an --init-checkpoint must match
+CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in a checkpoint
+GPU_SIZED_FLAGS = ("batch_size", "hidden_dim", "pretrain_steps", "total_steps")  # their defaults need a GPU
+PRETRAINING_ONLY = dict(lambda_depth=0.0, total_steps=0, init_checkpoint=None)  # what iru_pretrain.py fixes
 
 
 def check_args(args: Args):
@@ -146,16 +215,20 @@ def check_args(args: Args):
         raise ValueError(f"--depth must be at least 2 for FlexLoop's adjacent-depth loss, got {args.depth}")
     if args.lambda_depth is not None and args.lambda_depth < 0:
         raise ValueError(f"--lambda-depth must be >= 0, got {args.lambda_depth}")
-    if args.alpha is not None and args.alpha < 0:
-        raise ValueError(f"--alpha must be >= 0, got {args.alpha}")
-    if args.env_name not in ogbench_data.DATASETS:
+    if args.resume and args.init_checkpoint:
+        raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
+    if args.backbone == "lstm" and args.iru_variant != "residual":
+        raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
+    if args.env_name not in DATASET_HYPERPARAMETERS:
         raise ValueError(f"--env-name {args.env_name!r} is not one of the five datasets; choose one of "
-                         f"{list(ogbench_data.DATASETS)}")
-    if args.eval_episodes < 0:
-        raise ValueError(f"--eval-episodes must be >= 0, got {args.eval_episodes}")
+                         f"{list(DATASET_HYPERPARAMETERS)}")
     for name in ["batch_size", "hidden_dim", "num_critics", "eval_every", "eval_envs", "log_every", "save_every"]:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.alpha is not None and args.alpha < 0:
+        raise ValueError(f"--alpha must be >= 0, got {args.alpha}")
+    if args.eval_episodes < 0:
+        raise ValueError(f"--eval-episodes must be >= 0, got {args.eval_episodes}")
     if args.pretrain_steps < 0 or args.total_steps < 0:
         raise ValueError("--pretrain-steps and --total-steps must be >= 0")
     if not 0 < args.expectile < 1:
@@ -164,25 +237,10 @@ def check_args(args: Args):
         raise ValueError(f"--gamma must lie in (0, 1), got {args.gamma}")
     if not 0 < args.tau <= 1:
         raise ValueError(f"--tau must lie in (0, 1], got {args.tau}")
-    if args.require_cuda and not torch.cuda.is_available():
-        raise RuntimeError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
-    if args.resume and args.init_checkpoint:
-        raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
-    if args.backbone == "lstm" and args.iru_variant != "residual":
-        raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
-
-
-def resolve_dataset_defaults(args: Args):
-    """A copy of args with alpha and lambda_depth set to the dataset's values (REFERENCE.md §4) where not given,
-    so that the run records the values it used."""
-    spec = ogbench_data.get_spec(args.env_name)
-    alpha = spec.alpha if args.alpha is None else args.alpha
-    lambda_depth = spec.lambda_depth if args.lambda_depth is None else args.lambda_depth
-    return replace(args, alpha=alpha, lambda_depth=lambda_depth)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# IRU networks. One class serves all three: an ensemble of `members` IRUs evaluated as batched matmuls.
+# ALGO LOGIC: network
 # ---------------------------------------------------------------------------------------------------------
 class EnsembleLinear(nn.Module):
     """num_members independent Linear layers applied to (members, rows, in_features)."""
@@ -247,15 +305,20 @@ class IRU(nn.Module):
         return x_emb, c, h
 
     def readout(self, state):
+        """The recurrent feature the heads read: h (paper variant: c)."""
         _, c, h = state
-        return self.head(h if self.variant == "residual" else c)  # (members, rows, out_dim)
+        return h if self.variant == "residual" else c
+
+    def output(self, state):
+        """The head's output at the current depth, (members, rows, out_dim)."""
+        return self.head(self.readout(state))
 
     def forward(self, x):
         """The full-depth output, (members, rows, out_dim)."""
         state = self.start(x)
         for _ in range(self.depth):
             state = self.advance(state)
-        return self.readout(state)
+        return self.output(state)
 
 
 class LSTM(IRU):
@@ -316,7 +379,7 @@ class IRUActor(nn.Module):
         return self.iru.advance(state)
 
     def decide(self, state):
-        mean = self.iru.readout(state)[0]
+        mean = self.iru.output(state)[0]
         return torch.stack([mean, torch.full_like(mean, self.std)], 1)
 
     def all_depths(self, obs, goal):
@@ -375,9 +438,38 @@ def critics_at(critic, obs, goal, action):
     return critic(torch.cat([obs, goal, action], -1))[..., 0]  # (critics, rows)
 
 
+
+def build_network(args: Args, device):
+    spec = ogbench_data.get_spec(args.env_name)
+    return GCIQLAgent(spec.obs_dim, spec.action_dim, args.depth, args.hidden_dim, args.iru_variant,
+                      args.num_critics, args.backbone).to(device)
+
+
+def network_from_checkpoint(checkpoint, device="cpu"):
+    """Rebuild the policy network (the IRUActor) from a checkpoint alone (used by eval_adaptive.py)."""
+    args = args_from_checkpoint(checkpoint)
+    agent = build_network(args, device)
+    agent.load_state_dict(checkpoint["model"])
+    return agent.actor, args
+
+
 # ---------------------------------------------------------------------------------------------------------
-# Losses
+# ALGO LOGIC: losses
 # ---------------------------------------------------------------------------------------------------------
+# flexloop_losses' terms: metrics, NaN checks and checkpoints read these
+LOSS_NAMES = ("losses/value_loss", "losses/critic_loss", "losses/actor_loss", "losses/depth_kl", "losses/q_loss",
+              "losses/bc_loss", "charts/v_mean", "charts/q_mean", "charts/actor_mse")
+
+
+def flexloop_depth_loss(policies, target="adjacent"):
+    """mean_{k=1..K-1} D~(sg[pi_{k+1}] || pi_k) over the stacked policies (K, rows, 2, A); with target="final",
+    mean_{k=1..K-1} D~(sg[pi_K] || pi_k) instead.
+    The deeper policy is the target (detached), so only the shallower depth moves towards it."""
+    deeper = policies[1:] if target == "adjacent" else policies[-1:].expand_as(policies[:-1])
+    return IRUActor.divergence(deeper.detach(), policies[:-1]).mean()
+
+
+
 def expectile_loss(diff, expectile):
     """|expectile - 1(diff < 0)| * diff^2: with expectile 0.9, V is pushed towards an upper expectile of Q."""
     weight = torch.where(diff >= 0, expectile, 1 - expectile)
@@ -402,20 +494,9 @@ def ddpg_bc_actor_loss(q, log_prob, alpha):
     return q_loss + bc_loss, q_loss, bc_loss
 
 
-def flexloop_depth_loss(policies, target="adjacent"):
-    """mean_{k=1..K-1} D~(sg[pi_{k+1}] || pi_k) over the stacked policies (K, rows, 2, A); with target="final",
-    mean_{k=1..K-1} D~(sg[pi_K] || pi_k) instead.
-    The deeper policy is the target (detached), so only the shallower depth moves towards it."""
-    deeper = policies[1:] if target == "adjacent" else policies[-1:].expand_as(policies[:-1])
-    return IRUActor.divergence(deeper.detach(), policies[:-1]).mean()
-
-
-LOSS_NAMES = ["losses/value_loss", "losses/critic_loss", "losses/actor_loss", "losses/depth_kl", "losses/q_loss",
-              "losses/bc_loss", "charts/v_mean", "charts/q_mean", "charts/actor_mse"]
-
-
-def gciql_losses(agent, target_critic, batch, args, lambda_depth):
-    """The summed GC-IQL + FlexLoop loss of one batch and its parts (a tensor in LOSS_NAMES order)."""
+def flexloop_losses(agent, target_critic, batch, args, lambda_depth):
+    """The loss of one update on a batch and its terms by LOSS_NAMES, as device tensors (no host sync): GC-IQL's
+    value, critic and actor losses at depth K plus lambda_depth * the actor's depth loss."""
     obs, actions, value_goals, actor_goals = (batch["observations"], batch["actions"], batch["value_goals"],
                                               batch["actor_goals"])
     with torch.no_grad():
@@ -439,9 +520,8 @@ def gciql_losses(agent, target_critic, batch, args, lambda_depth):
     depth_kl = flexloop_depth_loss(policies, args.depth_target)
 
     loss = value_loss + critic_loss + actor_loss + lambda_depth * depth_kl
-    parts = torch.stack([value_loss, critic_loss, actor_loss, depth_kl, q_loss, bc_loss, v.mean(), q.mean(),
-                         ((mean - actions) ** 2).mean()])
-    return loss, parts.detach()
+    return loss, dict(zip(LOSS_NAMES, (value_loss, critic_loss, actor_loss, depth_kl, q_loss, bc_loss, v.mean(),
+                                       q.mean(), ((mean - actions) ** 2).mean())))
 
 
 def make_update(agent, target_critic, optimizer, dataset, args, generator, lambda_depth, loss_sums,
@@ -449,43 +529,34 @@ def make_update(agent, target_critic, optimizer, dataset, args, generator, lambd
     """One update, all on the device with fixed shapes and no host sync (so it can be captured in a CUDA graph):
     sample a batch, the losses, Adam, Polyak averaging of the target critic; the loss parts add to loss_sums.
     lambda_depth is a 0-d tensor, so one captured graph serves both phases."""
-    losses = torch.compile(gciql_losses) if compile_losses else gciql_losses
+    losses = torch.compile(flexloop_losses) if compile_losses else flexloop_losses
     critic_params, target_params = list(agent.critic.parameters()), list(target_critic.parameters())
 
     def update():
         batch = dataset.sample(args.batch_size, generator)
-        loss, parts = losses(agent, target_critic, batch, args, lambda_depth)
+        loss, terms = losses(agent, target_critic, batch, args, lambda_depth)
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
         optimizer.step()
         with torch.no_grad():
             torch._foreach_lerp_(target_params, critic_params, args.tau)
-            loss_sums.add_(parts)
+            loss_sums.add_(torch.stack([terms[name] for name in LOSS_NAMES]).detach())
 
     return update
 
 
-CUDA_GRAPH_WARMUP = 3
-
-
-def capture_cuda_graph(update, generator):
-    """Record one update in a CUDA graph (sampling, forward, backward, Adam, Polyak) and return its replay.
-    Warm-up runs on a side stream first, as torch.cuda.graphs requires; they are real updates."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(CUDA_GRAPH_WARMUP):
-            update()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    graph.register_generator_state(generator)  # each replay draws a fresh batch
-    with torch.cuda.graph(graph):
-        update()
-    return graph.replay
+# ---------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: data
+# ---------------------------------------------------------------------------------------------------------
+def load_dataset(args, device):
+    """The dataset on the device, with OGBench's goal-conditioned sampling and the dataset's actor goals."""
+    return ogbench_data.load_dataset(args.env_name, dataset_dir=args.dataset_dir, dataset_path=args.dataset_path,
+                                     device=device, download=args.download, gamma=args.gamma,
+                                     actor_goals=DATASET_HYPERPARAMETERS[args.env_name].actor_goals)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Per-depth evaluation: OGBench's 5 tasks, episodes side by side in a gymnasium vector env.
+# Collection and per-depth evaluation: OGBench's 5 tasks, episodes side by side in a gymnasium vector env.
 # ---------------------------------------------------------------------------------------------------------
 class TaskResetWrapper(gymnasium.Wrapper):
     """Resets to task options['task_ids'][index], so the envs of one vector env can run different tasks."""
@@ -595,14 +666,105 @@ def evaluate(actor, vector_env, episodes, device, seed=0, progress=False):
     return results
 
 
-def format_eval(results, depth, step):
+def format_eval(results, depth, iteration):
     values = " ".join(f"{results[f'eval/success_depth_{k}']:.3f}" for k in range(1, depth + 1))
-    return f"step {step} success by depth 1..{depth} (mean over tasks): {values}"
+    return f"update {iteration} success by depth 1..{depth} (mean over tasks): {values}"
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Checkpoints (self-contained, atomic, weights_only) and metrics
-# ---------------------------------------------------------------------------------------------------------
+
+# --- run plumbing: identical in every flexloop_*.py ---
+# Flags, run setup, checkpoints, the metrics log, RNG state, stop signals, progress and CUDA-graph capture. Nothing
+# here knows the algorithm: it reads the names defined above (Args, check_args, ALGORITHM, ENV_FLAG, NETWORK_FLAGS,
+# CHECKPOINT_PARTS, RESUME_FLAGS, GPU_SIZED_FLAGS, LOSS_NAMES, format_eval). Change the algorithm above and `train`
+# below; tests/test_layout.py keeps this block the same in every script.
+FLEXLOOP_SCRIPT = "flexloop-script-v1"  # this line marks a FlexLoop script: eval_adaptive.py imports no other file
+SCRIPT = Path(__file__).stem  # checkpoints name the script that wrote them
+CHECKPOINT_FORMAT = "flexloop-checkpoint-v2"
+OLD_CHECKPOINT_FORMAT = "flexloop-checkpoint-v1"  # read too: see upgrade_checkpoint
+CUDA_GRAPH_WARMUP = 3  # eager calls before a capture, as torch.cuda.graphs requires; they do real work
+CPU_HELP = 'README.md, "On a CPU"'
+
+
+def parse_args(argv=None, default=None, prog=None):
+    """The command line as a flat Args. --help lists the flags in the groups Args is made of, under flat names
+    (--lambda-depth); `default` replaces the defaults (iru_pretrain.py shows its own this way)."""
+    default = Args() if default is None else default
+    groups = {group.__name__.removesuffix("Args").lower(): group for group in reversed(Args.__bases__)}
+    flags = make_dataclass("Flags", [(name, Annotated[group, tyro.conf.OmitArgPrefixes])
+                                     for name, group in groups.items()])
+    defaults = flags(**{name: group(**{f.name: getattr(default, f.name) for f in fields(group)})
+                        for name, group in groups.items()})
+    given = tyro.cli(flags, args=argv, prog=prog, description=__doc__, default=defaults)
+    return Args(**{f.name: getattr(getattr(given, name), f.name) for name, group in groups.items()
+                   for f in fields(group)})
+
+
+class NoGPUError(RuntimeError):
+    """--require-cuda on a machine without a GPU."""
+
+
+@contextlib.contextmanager
+def errors_in_one_line():
+    """The errors raised on purpose (bad flags, checkpoints or data, a full disk, NaN in a loss) end the program
+    with their message in one line and exit status 1, not a traceback; --debug or FLEXLOOP_DEBUG=1 shows it."""
+    try:
+        yield
+    except (ValueError, OSError, FloatingPointError, NoGPUError) as error:
+        if "--debug" in sys.argv or os.environ.get("FLEXLOOP_DEBUG") == "1":
+            raise
+        print(f"{Path(sys.argv[0]).name}: error: {error}  (--debug shows the traceback)", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # before the stop signals are set up, or a second Ctrl-C
+        print(f"{Path(sys.argv[0]).name}: interrupted; nothing was saved since the last checkpoint", file=sys.stderr)
+        sys.exit(130)
+
+
+def pick_device(args):
+    """CUDA when there is a GPU and --cuda, else the CPU; say which, and warn when GPU-sized flags meet a CPU."""
+    if args.require_cuda and not torch.cuda.is_available():
+        raise NoGPUError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    print(f"{SCRIPT}: running on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'the CPU'}")
+    sized_for_gpu = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in GPU_SIZED_FLAGS
+                     if getattr(args, name) == getattr(Args(), name)]
+    if device.type == "cpu" and sized_for_gpu:
+        print(f"warning: {', '.join(sized_for_gpu)} are sized for a GPU, and on a CPU this run takes days. For a CPU "
+              f"run that finishes in minutes, see {CPU_HELP}.")
+    return device
+
+
+def args_from_checkpoint(checkpoint, path="the checkpoint"):
+    """The flags a checkpoint was trained with. Flags added since it was written take their defaults; flags this
+    script does not have mean another script wrote it."""
+    unknown = sorted(set(checkpoint["args"]) - {f.name for f in fields(Args)})
+    if unknown:
+        raise ValueError(f"{path} has flags {unknown} that {SCRIPT}.py does not know; it was written by "
+                         f"{checkpoint.get('script', 'another script')}.py: use that script for it")
+    return Args(**checkpoint["args"])
+
+
+def resumed_args(checkpoint, given):
+    """A resumed run keeps its own flags. Only RESUME_FLAGS come from the command line, and only where given."""
+    missing = [k for k in ("run_name", *CHECKPOINT_PARTS, "rng", "global_step", "updates") if k not in checkpoint]
+    if missing:
+        raise ValueError(f"--resume {given.resume} lacks {missing}, which resuming needs; start a new run from its "
+                         "weights with --init-checkpoint instead")
+    overrides = {name: getattr(given, name) for name in RESUME_FLAGS if getattr(given, name) != getattr(Args(), name)}
+    return replace(args_from_checkpoint(checkpoint, given.resume), **overrides)
+
+
+def check_compatible(init, args):
+    """An --init-checkpoint must match this run's env and network shape (NETWORK_FLAGS)."""
+    theirs = {"backbone": "iru", **init["args"]}  # checkpoints from before --backbone hold IRUs
+    for key in NETWORK_FLAGS:
+        if theirs[key] != getattr(args, key):
+            raise ValueError(f"--init-checkpoint was trained with {key}={theirs[key]!r} but this run has "
+                             f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {theirs[key]}")
+    if init["env_id"] != getattr(args, ENV_FLAG):
+        raise ValueError(f"--init-checkpoint was trained on {init['env_id']} but this run is on "
+                         f"{getattr(args, ENV_FLAG)}; pass --{ENV_FLAG.replace('_', '-')} {init['env_id']}")
+
+
 def save_checkpoint(path, payload):
     """Serialise in memory, write a temp file, then os.replace: a kill, a crash or a full disk never leaves a
     broken checkpoint or a stray temp file, and the previous checkpoint stays as it was."""
@@ -624,40 +786,80 @@ def save_checkpoint(path, payload):
                       "Free disk space or point --run-dir at a writable folder.") from error
 
 
-def load_checkpoint(path, algorithm=ALGORITHM):
-    """Load with weights_only=True (a checkpoint cannot run code) and check that it is ours."""
+def pickled_globals(path):
+    """module.name of every Python object a pickle names (objects that unpickling would call), read without
+    unpickling; [] when the file holds no readable pickle."""
+    data = Path(path).read_bytes()
+    if zipfile.is_zipfile(path):  # torch's format: the pickle is the archive's data.pkl
+        with zipfile.ZipFile(path) as archive:
+            data = next((archive.read(n) for n in archive.namelist() if n.endswith("data.pkl")), b"")
+    names, strings = [], []
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name in ("GLOBAL", "INST"):
+                names.append(arg.replace(" ", "."))
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(".".join(strings[-2:]))
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except Exception:  # not a pickle, or cut short: what was read so far
+        pass
+    return names
+
+
+def read_checkpoint_file(path):
+    """torch.load with weights_only=True, so that a file holding code is refused and the code never runs. When a
+    file cannot be loaded, the error says what it is instead."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise FileNotFoundError(f"checkpoint {path} does not exist; pass a .pt file written by a FlexLoop script, "
+                                "e.g. runs/<run_name>/latest.pt")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # unpickling refused, truncated or not a torch file
-        raise ValueError(f"{path} is not a loadable FlexLoop checkpoint: it is corrupt, truncated, not a checkpoint, "
-                         f"or carries code that weights_only loading refuses ({type(error).__name__}: "
-                         f"{str(error)[:200]})") from error
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        head = path.read_bytes()[:4096]
+        code = re.findall(r"GLOBAL ([\w.]+)", str(error))  # torch names the callable it refused
+        code = code or [name for name in pickled_globals(path) if not name.startswith(("torch.", "collections."))]
+        if code:
+            why = (f"was refused, and not loaded, because it can run code when loaded (it calls {code[0]}). Do not "
+                   "load this file: use a checkpoint that a FlexLoop script wrote")
+        elif not head:
+            why = "is empty, not a FlexLoop checkpoint; use an earlier checkpoint (latest.pt, pretrained.pt)"
+        elif zipfile.is_zipfile(path) or head.startswith(b"PK"):
+            why = ("is corrupt or truncated (an incomplete torch archive), not a loadable FlexLoop checkpoint; use an "
+                   "earlier checkpoint (latest.pt, pretrained.pt) or copy the file again")
+        elif all(32 <= b < 127 or b in b"\t\r\n" for b in head):
+            why = "is a text file, not a FlexLoop checkpoint (a .pt file that flexloop_*.py writes into runs/<run>/)"
+        else:
+            why = (f"is not a FlexLoop checkpoint: torch cannot read it ({type(error).__name__}); it is corrupt, "
+                   "truncated or another kind of file")
+        raise ValueError(f"{path} {why}") from error
+
+
+def upgrade_checkpoint(checkpoint):
+    """The first format (flexloop-checkpoint-v1) counted iterations as "interval" (GC-IQL: as "global_step", one
+    update each) and did not name its script. Read it as the current format."""
+    if checkpoint.get("format") == OLD_CHECKPOINT_FORMAT:
+        checkpoint = {**checkpoint, "format": CHECKPOINT_FORMAT}
+        checkpoint.setdefault("iteration", checkpoint.pop("interval", checkpoint.get("global_step", 0)))
+    checkpoint.setdefault("script", f"flexloop_{checkpoint.get('algorithm')}")
+    checkpoint.setdefault("iteration_updates", 0)
+    return checkpoint
+
+
+def load_checkpoint(path, algorithm=ALGORITHM):
+    """A checkpoint of this algorithm, read safely (read_checkpoint_file) and checked to be a FlexLoop one."""
+    checkpoint = read_checkpoint_file(path)
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") not in (CHECKPOINT_FORMAT, OLD_CHECKPOINT_FORMAT):
         raise ValueError(f"{path} is not a FlexLoop checkpoint (no '{CHECKPOINT_FORMAT}' format tag)")
     missing = [k for k in ("algorithm", "args", "env_id", "depth", "model") if k not in checkpoint]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {missing}; it was not written by a FlexLoop script")
+    checkpoint = upgrade_checkpoint(checkpoint)
     if checkpoint["algorithm"] != algorithm:
-        raise ValueError(f"checkpoint {path} is from {checkpoint['algorithm']!r}, not {algorithm!r}; "
-                         f"use flexloop_{checkpoint['algorithm']}.py for it")
+        raise ValueError(f"checkpoint {path} is from {checkpoint['algorithm']!r}, not {algorithm!r}; use "
+                         f"{checkpoint['script']}.py for it")
     return checkpoint
-
-
-def build_agent(args: Args, device):
-    spec = ogbench_data.get_spec(args.env_name)
-    return GCIQLAgent(spec.obs_dim, spec.action_dim, args.depth, args.hidden_dim, args.iru_variant,
-                      args.num_critics, args.backbone).to(device)
-
-
-def network_from_checkpoint(checkpoint, device="cpu"):
-    """Rebuild the policy network (the IRUActor) from a checkpoint alone (used by eval_adaptive.py)."""
-    args = Args(**checkpoint["args"])
-    agent = build_agent(args, device)
-    agent.load_state_dict(checkpoint["model"])
-    return agent.actor, args
 
 
 def parses(line):
@@ -692,6 +894,14 @@ class MetricsLog:
         return record
 
 
+def check_finite(metrics, updates):
+    """Stop at a NaN or inf, naming the term: no checkpoint is written with weights it has reached."""
+    for name, value in metrics.items():
+        if torch.is_tensor(value) and not torch.isfinite(value).all():
+            raise FloatingPointError(f"{name} became {value.item()} in the updates before update {updates}; "
+                                     "stopping. The last checkpoint written (latest.pt) is from before this.")
+
+
 def rng_state(generators):
     state = {"python": random.getstate()[1], "numpy": np.random.get_state()[1].tolist(), "torch": torch.get_rng_state()}
     state.update({name: g.get_state() for name, g in generators.items()})
@@ -707,188 +917,361 @@ def set_rng_state(state, generators):
         g.set_state(state[name])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------------------------------------
+class StopSignals:
+    """SIGTERM (SLURM preemption, kill) and Ctrl-C ask the run to stop: it finishes the update in progress, writes
+    latest.pt, prints the command that resumes it and exits cleanly. A second Ctrl-C quits at once."""
+
+    def __init__(self):
+        self.reason, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():  # Python takes signals in the main thread only
+            self.previous = {sig: signal.signal(sig, self.request) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def request(self, signum, frame):
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        print(f"\n{self.reason}: stopping after this update to write latest.pt (Ctrl-C again quits without it)",
+              file=sys.stderr, flush=True)
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def capture_cuda_graph(fn, generators):
+    """Record fn() in a CUDA graph and return a function that replays it and returns fn's (static) outputs.
+
+    Warm-up calls run on a side stream first, as torch.cuda.graphs requires; they do real work. The random
+    generators fn draws from are registered, so every replay draws fresh numbers.
+
+    A run captures again mid-run (GC-DQN: each phase has its own update). On an H200 that second capture failed
+    (cudaErrorStreamCaptureImplicit in the backward pass) with the default global capture mode; eval_adaptive's
+    mid-run captures failed the same way until garbage was collected first, the collector paused during the
+    capture and the capture mode made thread-local, so the same is done here."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(CUDA_GRAPH_WARMUP):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    for generator in generators:
+        graph.register_generator_state(generator)
+    collector_was_on = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = fn()
+    finally:
+        if collector_was_on:
+            gc.enable()
+
+    def replay():
+        graph.replay()
+        return outputs
+
+    return replay
+
+
+def duration(seconds):
+    minutes, hours = seconds / 60, seconds / 3600
+    return f"{hours / 24:.1f} days" if hours >= 48 else f"{hours:.1f} h" if minutes >= 90 else \
+        f"{minutes:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+class Run:
+    """One training run's bookkeeping, in the order train uses it:
+
+        run = Run(args)            flags checked (a resumed run's own), checkpoints read, device, seeds; no files yet
+        run.begin(...)             run folder, W&B, metrics log, state restored on --resume, stop signals, progress
+        while run.running():       until the last iteration, or a stop (SIGTERM, Ctrl-C)
+            run.phase()            (phase, lambda_depth) of this iteration
+            run.update_steps(n)    the iteration's update loop; it ends early when a stop comes
+            run.end_iteration()    the counters move on (False when a stop cut the updates short)
+            run.log_due() / run.log(metrics), run.evaluate_due() / run.evaluate(fn, ...), run.save_due()
+        run.finish()               final.pt, or latest.pt and the command that resumes the run
+
+    Counters: `iteration` counts collect -> update rounds, `global_step` env steps (GC-IQL: updates), `updates`
+    gradient steps; checkpoints and metrics use these names."""
+
+    def __init__(self, args):
+        check_args(args)
+        if args.save_every_minutes < 0:
+            raise ValueError(f"--save-every-minutes must be >= 0 (0: never), got {args.save_every_minutes}")
+        self.checkpoint = load_checkpoint(args.resume) if args.resume else None
+        self.args = args = resumed_args(self.checkpoint, args) if self.checkpoint else args
+        self.init = None
+        if args.init_checkpoint and self.checkpoint is None:
+            self.init = load_checkpoint(args.init_checkpoint)
+            check_compatible(self.init, args)
+        self.device = pick_device(args)
+        self.cuda_graph = args.cuda_graph and self.device.type == "cuda"
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def begin(self, phases, parts, generators, loss_sums, steps_per_iteration, updates_per_iteration,
+              progress="updates"):
+        """phases: (name, iterations, lambda_depth) in order; parts: the CHECKPOINT_PARTS (modules, the optimiser;
+        None where absent), read whenever a checkpoint is written; loss_sums: the LOSS_NAMES summed on the device
+        since the last log; progress: what the progress bar counts, "updates" or "env steps"."""
+        args, checkpoint = self.args, self.checkpoint
+        self.phases = [p for p in phases if p[1] > 0]
+        if not self.phases:
+            raise ValueError("nothing to train: every phase has a budget of 0; raise the pretraining or the "
+                             "post-training budget")
+        self.total_iterations = sum(length for _, length, _ in self.phases)
+        self.parts, self.generators, self.loss_sums = parts, generators, loss_sums
+        self.steps_per_iteration, self.updates_per_iteration = steps_per_iteration, updates_per_iteration
+        self.name = checkpoint["run_name"] if checkpoint else \
+            f"{getattr(args, ENV_FLAG)}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        # A resumed run continues in the folder its checkpoint lies in, wherever that folder has moved.
+        self.dir = Path(args.resume).resolve().parent if checkpoint else Path(args.run_dir) / self.name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.dir, os.W_OK):
+            raise PermissionError(f"run folder {self.dir} is not writable; point --run-dir at a writable folder")
+        self.iteration = self.global_step = self.updates = self.iteration_updates = 0
+        self.last_metrics, self.wandb_id = {}, None
+        if checkpoint is not None:
+            for name, part in parts.items():
+                if part is not None and checkpoint.get(name) is not None:
+                    part.load_state_dict(checkpoint[name])
+            set_rng_state(checkpoint["rng"], generators)
+            self.iteration, self.global_step, self.updates = (checkpoint[k] for k in ("iteration", "global_step",
+                                                                                       "updates"))
+            self.iteration_updates = checkpoint["iteration_updates"]
+            self.last_metrics, self.wandb_id = checkpoint.get("metrics", {}), checkpoint.get("wandb_id")
+            print(f"resuming {self.name} at iteration {self.iteration}/{self.total_iterations}, update {self.updates} "
+                  "(what checkpoints do not hold starts afresh: the replay refills, the envs start new episodes)")
+        self.wandb_run = None
+        if args.track:
+            import wandb
+            self.wandb_run = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity,
+                                        group=args.wandb_group, tags=list(args.wandb_tags), config=asdict(args),
+                                        name=self.name, id=self.wandb_id, resume="allow", dir=str(self.dir),
+                                        save_code=True)
+            self.wandb_id = self.wandb_run.id
+        self.metrics_log = MetricsLog(self.dir / "metrics.jsonl", self.global_step if checkpoint else None,
+                                      self.wandb_run)
+        self.stop = StopSignals()
+        self.progress_unit = progress
+        per_iteration = updates_per_iteration if progress == "updates" else steps_per_iteration
+        done = self.updates if progress == "updates" else self.global_step
+        self.progress = tqdm(total=self.total_iterations * per_iteration, initial=done, desc=self.name,
+                             unit=" " + progress, dynamic_ncols=True)
+        self.started = self.last_save = self.clock = time.perf_counter()
+        self.first_tick, self.projected = None, False
+        self.train_seconds, self.logged = 0.0, (self.global_step, self.updates)
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *error):
+        """Whatever happens: the progress bar, the metrics log and W&B closed, the signal handlers given back."""
+        self.progress.close()
+        self.metrics_log.file.close()
+        self.stop.restore()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+    def phase_of(self, iteration):
+        start = 0
+        for name, length, lambda_depth in self.phases:
+            if iteration < start + length:
+                return name, lambda_depth
+            start += length
+        return self.phases[-1][0], self.phases[-1][2]
+
+    def phase(self):
+        return self.phase_of(self.iteration)
+
+    def running(self):
+        return self.iteration < self.total_iterations and self.stop.reason is None
+
+    def graphed(self, fn, generators, *args):
+        """fn(*args) replayed from a CUDA graph with --cuda-graph on a GPU, eager otherwise."""
+        fn = partial(fn, *args)
+        return capture_cuda_graph(fn, generators) if self.cuda_graph else fn
+
+    def graphed_update(self, update, generators):
+        """The update replayed from a CUDA graph (see graphed); the capture's warm-up updates are counted."""
+        if self.cuda_graph:
+            self.updates += CUDA_GRAPH_WARMUP
+        return self.graphed(update, generators)
+
+    def update_steps(self, count):
+        """range(count) for an iteration's update loop. It ends early, within one update, when a stop comes, and
+        skips the updates that a stopped iteration had done before it was resumed. Counts each update, moves the
+        progress bar and writes latest.pt every --save-every-minutes."""
+        for i in range(self.iteration_updates, count):
+            if self.stop.reason is not None:
+                return
+            yield i
+            self.updates += 1
+            self.iteration_updates += 1
+            self.tick(1 if self.progress_unit == "updates" else 0)
+            if 0 < self.args.save_every_minutes <= (time.perf_counter() - self.last_save) / 60:
+                self.save("latest.pt")
+
+    def end_iteration(self):
+        """The counters move on to the next iteration; False (and they stay) when a stop cut the updates short."""
+        if self.iteration_updates < self.updates_per_iteration:
+            return False
+        self.iteration += 1
+        self.global_step += self.steps_per_iteration
+        self.iteration_updates = 0
+        self.tick(self.steps_per_iteration if self.progress_unit == "env steps" else 0)
+        return True
+
+    def tick(self, amount):
+        """The progress bar, and once, after a measured stretch, the projected time of the whole run."""
+        self.progress.update(amount)
+        now = time.perf_counter()
+        if self.first_tick is None and self.progress.n > self.progress.initial:
+            self.first_tick = (now, self.progress.n)
+        elif self.first_tick is not None and not self.projected and self.progress.n > self.first_tick[1] and (
+                now - self.first_tick[0] >= 15 or self.iteration >= 2):
+            rate = (self.progress.n - self.first_tick[1]) / (now - self.first_tick[0])
+            left = (self.progress.total - self.progress.n) / rate
+            self.progress.write(f"projected: {duration(now - self.started + left)} for the whole run, "
+                                f"{duration(left)} left ({rate:.3g}{self.progress.unit}/s on {self.device.type})"
+                                + (f"; for a CPU run that finishes in minutes see {CPU_HELP}"
+                                   if self.device.type == "cpu" and left > 3600 else ""))
+            self.projected = True
+
+    def due(self, every):
+        return self.iteration % every == 0 or self.iteration == self.total_iterations
+
+    def phase_ends(self):
+        return self.phase_of(self.iteration - 1)[0] != self.phase_of(self.iteration)[0]
+
+    def log_due(self):
+        return self.due(self.args.log_every)
+
+    def evaluate_due(self):
+        return self.due(self.args.eval_every) or self.phase_ends()
+
+    def log(self, metrics):
+        """The loss means since the last log, the counters, speed and the given metrics: metrics.jsonl and W&B."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.train_seconds += now - self.clock
+        steps, updates = self.global_step - self.logged[0], self.updates - self.logged[1]
+        metrics = {"phase": self.phase_of(self.iteration - 1)[0], "charts/iteration": self.iteration,
+                   "charts/updates": self.updates, **dict(zip(LOSS_NAMES, self.loss_sums / max(updates, 1))),
+                   "charts/SPS": int(steps / max(self.train_seconds, 1e-9)),
+                   "charts/updates_per_second": updates / max(self.train_seconds, 1e-9), **metrics}
+        check_finite({name: metrics[name] for name in LOSS_NAMES}, self.updates)
+        self.loss_sums.zero_()
+        self.last_metrics = self.metrics_log.write(metrics, self.global_step)
+        self.progress.set_postfix({name.split("/")[-1]: f"{self.last_metrics[name]:.3g}" for name in LOSS_NAMES[:2]})
+        self.train_seconds, self.logged, self.clock = 0.0, (self.global_step, self.updates), time.perf_counter()
+
+    def evaluate(self, evaluate, *args, **kwargs):
+        """evaluate(*args, **kwargs) -> {metric: value}, logged and printed; its time is not training time (SPS)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.train_seconds += time.perf_counter() - self.clock
+        results = evaluate(*args, **kwargs)
+        self.last_metrics.update(self.metrics_log.write({"phase": self.phase_of(self.iteration - 1)[0], **results},
+                                                        self.global_step))
+        self.progress.write(format_eval(results, self.args.depth, self.iteration))
+        self.clock = time.perf_counter()
+        return results
+
+    def save_due(self):
+        """pretrained.pt when pretraining ends; latest.pt every --save-every iterations and at the end."""
+        if self.phase_of(self.iteration - 1)[0] == "pretrain" and self.phase_ends():
+            self.save("pretrained.pt")  # the IRU-K baseline
+        if self.due(self.args.save_every):
+            self.save("latest.pt")
+
+    def save(self, name):
+        """A checkpoint: everything that evaluating or resuming this run needs, written atomically."""
+        check_finite(dict(zip(LOSS_NAMES, self.loss_sums)), self.updates)  # never save weights a NaN reached
+        save_checkpoint(self.dir / name, {
+            "format": CHECKPOINT_FORMAT, "algorithm": ALGORITHM, "script": SCRIPT, "args": asdict(self.args),
+            "env_id": getattr(self.args, ENV_FLAG), "depth": self.args.depth, "run_name": self.name,
+            "phase": self.phase_of(max(self.iteration - 1, 0))[0], "iteration": self.iteration,
+            "iteration_updates": self.iteration_updates, "global_step": self.global_step, "updates": self.updates,
+            "rng": rng_state(self.generators), "metrics": self.last_metrics, "wandb_id": self.wandb_id,
+            **{name: None if part is None else part.state_dict() for name, part in self.parts.items()}})
+        self.last_save = time.perf_counter()
+
+    def finish(self):
+        """final.pt when the run is complete; when it was stopped, latest.pt and the command that resumes it."""
+        if self.stop.reason is None:
+            self.save("final.pt")
+            return self.dir
+        self.save("latest.pt")
+        self.progress.write(f"{self.stop.reason}: saved {self.dir / 'latest.pt'} at iteration {self.iteration} "
+                            f"(update {self.updates}); resume with\n    python {os.path.relpath(__file__)} --resume "
+                            f"{self.dir / 'latest.pt'}")
+        return self.dir
+# --- end of run plumbing ---
+
+
 def train(args: Args):
-    check_args(args)
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    checkpoint = load_checkpoint(args.resume) if args.resume else None
-    if checkpoint is not None:
-        missing = [k for k in ("run_name", "target_model", "optimizer", "rng", "global_step") if k not in checkpoint]
-        if missing:
-            raise ValueError(f"--resume {args.resume} lacks {missing}, which resuming needs; start a new run from "
-                             "its weights with --init-checkpoint instead")
-        # A resumed run keeps its own flags; only the checkpoint path (and the data's location) come from the
-        # command line.
-        saved = Args(**checkpoint["args"])
-        args = replace(saved, resume=args.resume, dataset_dir=args.dataset_dir or saved.dataset_dir,
-                       dataset_path=args.dataset_path or saved.dataset_path)
-    args = resolve_dataset_defaults(args)
-    init = load_checkpoint(args.init_checkpoint) if args.init_checkpoint and checkpoint is None else None
-    if init is not None:
-        check_compatible(init, args)
-
-    # The dataset first: a missing one fails here, before any run folder or network exists. It is data, not
-    # state, so a resumed run simply reloads it.
-    dataset = ogbench_data.load_dataset(args.env_name, dataset_dir=args.dataset_dir, dataset_path=args.dataset_path,
-                                        device=device, download=args.download, gamma=args.gamma)
-
-    run_name = checkpoint["run_name"] if checkpoint else \
-        f"{args.env_name}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    # A resumed run continues in the folder its checkpoint lies in, wherever that folder has moved.
-    run_dir = Path(args.resume).resolve().parent if checkpoint else Path(args.run_dir) / run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not os.access(run_dir, os.W_OK):
-        raise PermissionError(f"run folder {run_dir} is not writable; point --run-dir at a writable folder")
-
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.backends.cuda.matmul.allow_tf32 = True
+    run = Run(args)  # the flags checked (a resumed run's own), checkpoints read, the device picked, seeds set
+    args = run.args = resolve_dataset_defaults(run.args)
+    device = run.device
+    # The dataset first: a missing one fails here, before any run folder exists. It is data, not state, so a
+    # resumed run simply reloads it.
+    dataset = load_dataset(args, device)
     generators = {"sample": torch.Generator(device).manual_seed(args.seed)}
-
-    agent = build_agent(args, device)
-    if init is not None:
-        agent.load_state_dict(init["model"])
-    target_critic = build_agent(args, device).critic
-    target_critic.load_state_dict(init["target_model"] if init is not None else agent.critic.state_dict())
-    target_critic.requires_grad_(False)
+    agent = build_network(args, device)
+    if run.init is not None:
+        agent.load_state_dict(run.init["model"])
+    target_critic = copy.deepcopy(agent.critic).requires_grad_(False)
+    if run.init is not None:
+        target_critic.load_state_dict(run.init["target_model"])
     on_cuda = device.type == "cuda"
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, capturable=on_cuda, fused=on_cuda)
-
-    # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network was given, then FlexLoop.
-    phases = [] if init is not None else [("pretrain", args.pretrain_steps, 0.0)]
-    phases.append(("flexloop", args.total_steps, args.lambda_depth))
-    phases = [p for p in phases if p[1] > 0]
-    total_updates = sum(p[1] for p in phases)
-    global_step, last_metrics, wandb_id = 0, {}, None
-    if checkpoint is not None:
-        agent.load_state_dict(checkpoint["model"])
-        target_critic.load_state_dict(checkpoint["target_model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        set_rng_state(checkpoint["rng"], generators)
-        global_step = checkpoint["global_step"]
-        last_metrics, wandb_id = checkpoint.get("metrics", {}), checkpoint.get("wandb_id")
-        print(f"resuming {run_name} at update {global_step}/{total_updates}")
-
-    wandb_run = None
-    if args.track:
-        import wandb
-        wandb_run = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, group=args.wandb_group,
-                               tags=list(args.wandb_tags), config=asdict(args), name=run_name,
-                               id=wandb_id, resume="allow", dir=str(run_dir))
-        wandb_id = wandb_run.id
-    metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume_step=global_step if checkpoint else None,
-                             wandb_run=wandb_run)
-
-    def phase_at(step):
-        start = 0
-        for name, length, lam in phases:
-            if step < start + length:
-                return name, lam
-            start += length
-        return phases[-1][0], phases[-1][2]
-
-    def make_checkpoint():
-        # Weights a NaN/inf has reached are never saved: the losses summed since the last log are checked first.
-        check_finite(dict(zip(LOSS_NAMES, loss_sums)), global_step)
-        return {"format": CHECKPOINT_FORMAT, "algorithm": ALGORITHM, "args": asdict(args), "env_id": args.env_name,
-                "depth": args.depth, "run_name": run_name, "model": agent.state_dict(),
-                "target_model": target_critic.state_dict(), "optimizer": optimizer.state_dict(),
-                "updates": global_step, "global_step": global_step, "phase": phase_at(global_step)[0],
-                "rng": rng_state(generators), "metrics": last_metrics, "wandb_id": wandb_id}
-
-    lambda_depth = torch.zeros((), device=device)
+    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
     loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
     update = make_update(agent, target_critic, optimizer, dataset, args, generators["sample"], lambda_depth,
                          loss_sums, compile_losses=args.compile and on_cuda)
-    run_update = update
-    eval_env = None  # the evaluation vector env, made at the first evaluation and kept
-    pbar = tqdm(total=total_updates, initial=global_step, desc=run_name, dynamic_ncols=True)
-    interrupted = []
-    signal.signal(signal.SIGTERM, lambda *_: interrupted.append(True))  # SLURM preemption: save, then exit
 
-    train_time, updates_since_log, tick, lambda_depth_now = 0.0, 0, time.time(), 0.0
-    while global_step < total_updates:
-        phase, lam = phase_at(global_step)
-        if lam != lambda_depth_now:
-            lambda_depth.fill_(lam)
-            lambda_depth_now = lam
-        if run_update is update and args.cuda_graph and on_cuda:
-            run_update = capture_cuda_graph(update, generators["sample"])
-            global_step += CUDA_GRAPH_WARMUP  # the capture's warm-up runs real updates
-            updates_since_log += CUDA_GRAPH_WARMUP
-        run_update()
-        global_step += 1
-        updates_since_log += 1
-        phase_ends = phase_at(global_step)[0] != phase or global_step >= total_updates
-        if global_step % 100 == 0 or phase_ends:
-            pbar.update(global_step - pbar.n)
+    # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network was given, then FlexLoop. An iteration
+    # is one update.
+    pretrain_steps = 0 if run.init is not None else args.pretrain_steps
+    phases = [("pretrain", pretrain_steps, 0.0),
+              ("flexloop", args.total_steps, args.lambda_depth)]
+    parts = {"model": agent, "target_model": target_critic, "optimizer": optimizer}
+    run.begin(phases, parts, generators, loss_sums, steps_per_iteration=1, updates_per_iteration=1,
+              progress="updates")
+    graphed_update, eval_env = None, None  # the evaluation vector env is made at the first evaluation, then kept
+    lambda_depth_now = None
 
-        if global_step % args.log_every == 0 or phase_ends:
-            if on_cuda:
-                torch.cuda.synchronize()
-            train_time += time.time() - tick
-            means = loss_sums / updates_since_log
-            metrics = {"phase": phase, "charts/updates": global_step, "charts/lambda_depth": lam,
-                       **dict(zip(LOSS_NAMES, means)),
-                       "charts/SPS": int(updates_since_log / max(train_time, 1e-9))}  # updates/s, eval excluded
-            check_finite(metrics, global_step)
-            loss_sums.zero_()
-            updates_since_log, train_time = 0, 0.0
-            last_metrics = metrics_log.write(metrics, global_step)
-            pbar.set_postfix(v=f"{last_metrics['losses/value_loss']:.3g}", q=f"{last_metrics['losses/critic_loss']:.3g}",
-                             kl=f"{last_metrics['losses/depth_kl']:.3g}")
-            tick = time.time()
-        if args.eval_episodes > 0 and (global_step % args.eval_every == 0 or phase_ends):
-            if on_cuda:
-                torch.cuda.synchronize()
-            train_time += time.time() - tick  # the clock of charts/SPS stops while evaluating
-            if eval_env is None:
-                eval_env = make_eval_vector_env(args.env_name, args.eval_envs, args.eval_async)
-            results = evaluate(agent.actor, eval_env, args.eval_episodes, device, seed=args.seed + 1000)
-            last_metrics.update(metrics_log.write({"phase": phase, **results}, global_step))
-            pbar.write(format_eval(results, args.depth, global_step))
-            tick = time.time()
-        if phase == "pretrain" and phase_at(global_step)[0] != phase:
-            save_checkpoint(run_dir / "pretrained.pt", make_checkpoint())  # the IRU-K baseline
-        if global_step % args.save_every == 0 or global_step >= total_updates or interrupted:
-            save_checkpoint(run_dir / "latest.pt", make_checkpoint())
-        if interrupted:
-            pbar.write(f"SIGTERM: saved {run_dir / 'latest.pt'} at update {global_step}; resume with "
-                       f"--resume {run_dir / 'latest.pt'}")
-            break
-    pbar.close()
-    if eval_env is not None:
-        eval_env.close()
-    if not interrupted:
-        save_checkpoint(run_dir / "final.pt", make_checkpoint())
-    metrics_log.file.close()
-    if wandb_run is not None:
-        wandb_run.finish()
-    return run_dir
+    with run:
+        while run.running():
+            phase, lam = run.phase()
+            if lam != lambda_depth_now:  # a fill on the device at phase changes only: an iteration is one update
+                lambda_depth.fill_(lam)
+                lambda_depth_now = lam
 
+            graphed_update = graphed_update or run.graphed_update(update, [generators["sample"]])
+            for _ in run.update_steps(1):
+                graphed_update()
+            if not run.end_iteration():
+                break  # stopped mid-iteration (SIGTERM, Ctrl-C): finish() writes latest.pt
 
-def check_compatible(init, args):
-    """A pretrained checkpoint must match this run's dataset, depth and network shape."""
-    theirs = {"backbone": "iru", **init["args"]}  # checkpoints from before --backbone hold IRUs
-    for key in ["depth", "hidden_dim", "num_critics", "iru_variant", "backbone"]:
-        if theirs[key] != getattr(args, key):
-            raise ValueError(f"--init-checkpoint was trained with {key}={theirs[key]!r} but this run has "
-                             f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {theirs[key]}")
-    if init["env_id"] != args.env_name:
-        raise ValueError(f"--init-checkpoint was trained on {init['env_id']} but this run is on {args.env_name}; "
-                         f"pass --env-name {init['env_id']}")
-
-
-def check_finite(metrics, step):
-    for name, value in metrics.items():
-        if torch.is_tensor(value) and not torch.isfinite(value).all():
-            raise FloatingPointError(f"{name} became {value.item()} in the updates before update {step}; "
-                                     "stopping. The last checkpoint written (latest.pt) is from before this.")
+            if run.log_due():
+                run.log({"charts/lambda_depth": lam})
+            if args.eval_episodes > 0 and run.evaluate_due():
+                eval_env = eval_env or make_eval_vector_env(args.env_name, args.eval_envs, args.eval_async)
+                run.evaluate(evaluate, agent.actor, eval_env, args.eval_episodes, device, seed=args.seed + 1000)
+            run.save_due()
+        if eval_env is not None:
+            eval_env.close()
+        return run.finish()
 
 
 if __name__ == "__main__":
-    train(tyro.cli(Args))
+    with errors_in_one_line():
+        train(parse_args())

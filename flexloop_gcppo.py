@@ -1,5 +1,4 @@
-"""FlexLoop post-training of an IRU GC-PPO on LightsOut-4x5 (one file, CleanRL style).
-
+"""FlexLoop post-training of an IRU GC-PPO on LightsOut-4x5 (one file, CleanRL style):
     python flexloop_gcppo.py                                           # pretrain IRU-5, then FlexLoop
     python flexloop_gcppo.py --init-checkpoint runs/X/pretrained.pt   # FlexLoop from a pretrained IRU-5
 
@@ -11,17 +10,25 @@ the GAE returns; the policy loss keeps the GAE advantages from the student's own
 --init-checkpoint model, or in a two-phase run (no --init-checkpoint) the pretrained model at the switch.
 """
 
+import contextlib
 import copy
+import gc
 import io
 import json
 import math
 import os
+import pickletools
 import random
+import re
 import signal
+import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+import zipfile
+from dataclasses import asdict, dataclass, fields, make_dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import numpy as np
 import torch
@@ -33,22 +40,16 @@ from tqdm.auto import tqdm
 import envs
 from envs.lightsout import NUM_LIGHTS, SPLITS
 
-ALGORITHM = "gcppo"
-CHECKPOINT_FORMAT = "flexloop-checkpoint-v1"
-
 
 @dataclass
-class Args:
-    exp_name: str = "flexloop_gcppo"
+class ExperimentArgs:
+    """experiment and logging"""
+    exp_name: str = Path(__file__).stem
     """the name of this experiment (part of the run name)"""
     seed: int = 1
     """seed of the experiment"""
     torch_deterministic: bool = True
     """sets `torch.backends.cudnn.deterministic`"""
-    cuda: bool = True
-    """use CUDA when it is available (see `require_cuda` to make its absence an error)"""
-    require_cuda: bool = False
-    """fail instead of falling back to CPU when no GPU is present"""
     track: bool = False
     """log to Weights & Biases (honours WANDB_MODE=offline)"""
     wandb_project_name: str = "flexloop"
@@ -62,11 +63,20 @@ class Args:
     run_dir: str = "runs"
     """runs are written to <run_dir>/<run_name>/ (metrics.jsonl, checkpoints)"""
     resume: Optional[str] = None
-    """continue the run whose checkpoint is at this path (its run folder and W&B id are reused)"""
-    init_checkpoint: Optional[str] = None
-    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining; it is the teacher)"""
+    """continue the run whose checkpoint is at this path (its run folder, flags and W&B id are reused)"""
+    log_every: int = 1
+    """log training metrics every this many iterations"""
+    save_every: int = 10
+    """write the latest checkpoint every this many iterations"""
+    save_every_minutes: float = 15.0
+    """also write it every this many minutes, between updates (0: never)"""
+    debug: bool = False
+    """show the full traceback of an error (also FLEXLOOP_DEBUG=1)"""
 
-    # Environment
+
+@dataclass
+class EnvironmentArgs:
+    """environment"""
     env_id: str = "LightsOut-4x5-v0"
     """the env id (LightsOut-4x5-v0)"""
     max_episode_steps: int = 20
@@ -74,33 +84,37 @@ class Args:
     train_max_presses: int = 9
     """largest minimal-solution length of training tasks (the reference's 9; lower it for an easier stream)"""
 
-    # IRU actor-critic
+
+@dataclass
+class NetworkArgs:
+    """network"""
     depth: int = 5
     """K, the number of recurrent steps of the IRU"""
-    hidden_dim: int = 64
-    """IRU width d"""
     iru_variant: Literal["residual", "paper"] = "residual"
     """residual: the public code (gates and heads read h = sum tanh(c)); paper: the paper's equation (tanh(c), c)"""
     backbone: Literal["iru", "lstm"] = "iru"
     """iru: the IRU cell; lstm: an LSTM cell unrolled over depth (the paper's backbone ablation, §5.4)"""
+    hidden_dim: int = 64
+    """IRU width d of the trunk that the actor and the critic share"""
 
-    # GC-PPO
+
+@dataclass
+class AlgorithmArgs:
+    """algorithm: GC-PPO"""
     pretrain_timesteps: int = 50_000_000
     """IRU-K pretraining env steps (lambda = 0) when no --init-checkpoint is given"""
     total_timesteps: int = 50_000_000
     """FlexLoop post-training env steps"""
-    learning_rate: float = 1e-4
-    """Adam learning rate (constant)"""
     num_envs: int = 2048
     """parallel envs, stepped together on the device"""
     num_steps: int = 160
-    """steps per env per rollout"""
+    """steps per env per rollout: each iteration collects num_envs x num_steps env steps"""
     num_minibatches: int = 32
     """minibatches per update epoch"""
     update_epochs: int = 8
     """passes over each rollout"""
-    gamma: float = 0.99
-    """discount"""
+    learning_rate: float = 1e-4
+    """Adam learning rate (constant)"""
     gae_lambda: float = 0.95
     """lambda of generalised advantage estimation"""
     norm_adv: bool = True
@@ -133,28 +147,59 @@ class Args:
     """gradient clipping norm (CleanRL's default; REFERENCE.md gives none)"""
     obs_clip: float = 10.0
     """normalised inputs are clipped to [-obs_clip, obs_clip]"""
+    gamma: float = 0.99
+    """discount"""
 
-    # FlexLoop
-    lambda_depth: float = 0.05
-    """weight of the adjacent-depth KL (0 = plain IRU-K training)"""
+
+@dataclass
+class FlexLoopArgs:
+    """FlexLoop: the depth loss and where post-training starts"""
     depth_target: Literal["adjacent", "final"] = "adjacent"
     """adjacent: KL(sg[pi_{k+1}] || pi_k) (FlexLoop); final: every depth distilled from depth K, KL(sg[pi_K] || pi_k)"""
+    init_checkpoint: Optional[str] = None
+    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining)"""
+    lambda_depth: float = 0.05
+    """weight of the adjacent-depth KL on the minibatch states (0 = plain IRU-K training)"""
     teacher_value_targets: bool = True
-    """in the FlexLoop phase, regress V_K onto the frozen teacher's values instead of the GAE returns (paper)"""
+    """in the FlexLoop phase, regress V_K onto a frozen teacher's values instead of the GAE returns (paper); the
+    teacher is the --init-checkpoint model, or in a two-phase run the pretrained model at the switch"""
 
-    # Evaluation, logging, speed
-    eval_every: int = 10
-    """evaluate every depth on both splits every this many iterations (and at the end of each phase)"""
+
+@dataclass
+class EvaluationArgs:
+    """evaluation"""
     num_eval_envs: int = 128
     """envs per split for evaluation (one deterministic episode each, the same tasks at every depth)"""
-    log_every: int = 1
-    """log training metrics every this many iterations"""
-    save_every: int = 10
-    """write the latest checkpoint every this many iterations"""
+    eval_every: int = 10
+    """evaluate every depth on both splits every this many iterations (and at the end of each phase)"""
+
+
+@dataclass
+class PerformanceArgs:
+    """performance: device and speed"""
+    cuda: bool = True
+    """use CUDA when it is available (see --require-cuda to make its absence an error)"""
+    require_cuda: bool = False
+    """fail instead of falling back to CPU when no GPU is present"""
     compile: bool = False
     """torch.compile the minibatch update"""
     cuda_graph: bool = False
     """capture the minibatch update in a CUDA graph and replay it (GPU only)"""
+
+
+@dataclass
+class Args(PerformanceArgs, EvaluationArgs, FlexLoopArgs, AlgorithmArgs, NetworkArgs, EnvironmentArgs, ExperimentArgs):
+    """Every flag, flat (args.lambda_depth). --help shows them in the groups above (see parse_args)."""
+
+
+# What the run plumbing (below) needs to know about this script.
+ENV_FLAG = "env_id"  # the flag naming the env: run names, checkpoints and --init-checkpoint checks read it
+RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug")  # --resume takes these as given
+ALGORITHM = "gcppo"
+NETWORK_FLAGS = ("depth", "hidden_dim", "iru_variant", "backbone")  # an --init-checkpoint must match these
+CHECKPOINT_PARTS = ("model", "teacher_model", "optimizer")  # the state dicts in a checkpoint (no teacher: None)
+GPU_SIZED_FLAGS = ("num_envs", "num_steps", "pretrain_timesteps", "total_timesteps")  # their defaults need a GPU
+PRETRAINING_ONLY = dict(lambda_depth=0.0, total_timesteps=0, init_checkpoint=None)  # what iru_pretrain.py fixes
 
 
 def check_args(args: Args):
@@ -163,6 +208,10 @@ def check_args(args: Args):
         raise ValueError(f"--depth must be at least 2 for FlexLoop's adjacent-depth loss, got {args.depth}")
     if args.lambda_depth < 0:
         raise ValueError(f"--lambda-depth must be >= 0, got {args.lambda_depth}")
+    if args.resume and args.init_checkpoint:
+        raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
+    if args.backbone == "lstm" and args.iru_variant != "residual":
+        raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
     if args.env_id != envs.LIGHTSOUT_ID:
         raise ValueError(f"--env-id {args.env_id!r} is not supported; GC-PPO runs on {envs.LIGHTSOUT_ID}")
     for name in ["num_envs", "num_steps", "num_minibatches", "update_epochs", "hidden_dim", "num_eval_envs",
@@ -194,18 +243,12 @@ def check_args(args: Args):
     if args.init_checkpoint is None and args.pretrain_timesteps == 0 and not args.resume:
         raise ValueError("FlexLoop post-training needs a pretrained IRU-K: pass --init-checkpoint PATH or a "
                          "positive --pretrain-timesteps")
-    if args.require_cuda and not torch.cuda.is_available():
-        raise RuntimeError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
     if args.cuda_graph and not (args.cuda and torch.cuda.is_available()):
         raise ValueError("--cuda-graph needs a CUDA GPU; drop the flag on CPU")
-    if args.resume and args.init_checkpoint:
-        raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
-    if args.backbone == "lstm" and args.iru_variant != "residual":
-        raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# IRU actor-critic: one IRU trunk, an actor head and a value head read out at every depth.
+# ALGO LOGIC: network
 # ---------------------------------------------------------------------------------------------------------
 class IRUActorCritic(nn.Module):
     """pi_k(a | s, g) and V_k(s, g) read out after each of K recurrent steps of one shared IRU.
@@ -218,17 +261,16 @@ class IRUActorCritic(nn.Module):
         h     = h + tanh(c)                              (residual across steps)
         logits_k = Actor(h),  V_k = Value(h)             (paper variant: read c)
 
-    The running mean and variance of the inputs are buffers, so checkpoints and evaluation carry them.
-
     Depth protocol (shared with the other scripts and eval_adaptive.py):
         state = start(obs, goal)          depth 0, zero recurrent state
         state = advance(state)            depth k -> k + 1
-        logits = decide(state)            pi_k's logits (20)
-        all_depths(obs, goal)             logits (K, B, 20) and values (K, B) of every depth at once
         divergence(p_logits, q_logits)    KL(p || q) per row: the training loss and delta_k at inference
         gather(state, rows)               the recurrent state of some batch rows (adaptive inference)
+        logits = decide(state)            pi_k's logits (20)
+        all_depths(obs, goal)             logits (K, B, 20) and values (K, B) of every depth at once
         act(logits, generator, deterministic=False)   a sample of pi_k, or its mode (evaluation)
-    The state is a tuple of tensors shaped (batch, d).
+    The state is a tuple of tensors shaped (batch, d). The running mean and variance of the inputs are buffers,
+    so checkpoints and evaluation carry them.
     """
 
     def __init__(self, depth=5, hidden_dim=64, variant="residual", obs_clip=10.0, input_dim=2 * NUM_LIGHTS,
@@ -285,6 +327,7 @@ class IRUActorCritic(nn.Module):
         return x_emb, c, h
 
     def readout(self, state):
+        """The recurrent feature the heads read: h (paper variant: c)."""
         _, c, h = state
         return h if self.variant == "residual" else c
 
@@ -353,26 +396,30 @@ class LSTMActorCritic(IRUActorCritic):
         return x_emb, c, h
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Losses: GAE, PPO at depth K, and FlexLoop's adjacent-depth KL.
-# ---------------------------------------------------------------------------------------------------------
-def compute_gae(rewards, values, terminated, truncated, final_values, next_value, gamma, gae_lambda):
-    """Advantages and returns of a rollout, all (T, N) except next_value (N,) = V(obs after the last step).
+def build_network(args: Args, device):
+    if args.backbone == "lstm":
+        return LSTMActorCritic(args.depth, args.hidden_dim, args.obs_clip).to(device)
+    return IRUActorCritic(args.depth, args.hidden_dim, args.iru_variant, args.obs_clip).to(device)
 
-    An episode that ends at step t cuts the recursion there. Its bootstrap value is 0 when it terminated
-    (success) and V(final_obs) when it was truncated by the step limit, since the value cannot see the clock.
-    Otherwise the bootstrap is the value of the next step's state, which is the same episode's."""
-    num_steps = rewards.shape[0]
-    advantages = torch.zeros_like(rewards)
-    last_advantage = torch.zeros_like(next_value)
-    for t in reversed(range(num_steps)):
-        done = terminated[t] | truncated[t]
-        following_value = next_value if t == num_steps - 1 else values[t + 1]
-        bootstrap = torch.where(done, truncated[t] * final_values[t], following_value)
-        delta = rewards[t] + gamma * bootstrap - values[t]
-        last_advantage = delta + gamma * gae_lambda * (~done) * last_advantage
-        advantages[t] = last_advantage
-    return advantages, advantages + values
+
+def network_from_checkpoint(checkpoint, device="cpu"):
+    """Rebuild the network from a checkpoint alone (used by eval_adaptive.py)."""
+    args = args_from_checkpoint(checkpoint)
+    network = build_network(args, device)
+    network.load_state_dict(checkpoint["model"])
+    return network, args
+
+
+def frozen_copy(network):
+    """The teacher: a copy that no optimiser or normaliser update touches."""
+    return copy.deepcopy(network).requires_grad_(False).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: losses
+# ---------------------------------------------------------------------------------------------------------
+LOSS_NAMES = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/depth_kl", "losses/approx_kl",
+              "losses/clipfrac")  # flexloop_losses' terms: metrics, NaN checks and checkpoints read these
 
 
 def ppo_loss(logits, values, actions, old_logprobs, old_values, advantages, value_targets, clip_coef,
@@ -407,8 +454,39 @@ def flexloop_depth_loss(logits_per_depth, target="adjacent"):
     return kl.mean()
 
 
+def flexloop_losses(network, minibatch, args, lambda_depth):
+    """The loss of one minibatch update and its terms by LOSS_NAMES, as device tensors (no host sync): PPO's
+    losses at depth K (policy, value, entropy bonus) plus lambda_depth * the depth KL."""
+    logits, values = network.all_depths(minibatch["obs"], minibatch["goal"])  # (K, B, A), (K, B)
+    policy_loss, value_loss, entropy, approx_kl, clipfrac = ppo_loss(
+        logits[-1], values[-1], minibatch["actions"], minibatch["logprobs"], minibatch["values"],
+        minibatch["advantages"], minibatch["value_targets"], args.clip_coef, args.clip_vloss,
+        args.norm_adv and args.advantage_norm == "minibatch")
+    depth_kl = flexloop_depth_loss(logits, args.depth_target)
+    loss = policy_loss - args.ent_coef * entropy + args.vf_coef * value_loss + lambda_depth * depth_kl
+    return loss, dict(zip(LOSS_NAMES, (policy_loss, value_loss, entropy, depth_kl, approx_kl, clipfrac)))
+
+
+def make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums):
+    """One minibatch update: the rows minibatch_index of the rollout, the losses of `flexloop_losses`, gradient
+    clipping, Adam. No host sync, fixed shapes: it can be captured in a CUDA graph."""
+    flat = {name: tensor.flatten(0, 1) for name, tensor in buffers.items()}  # views: (T * N, ...)
+
+    def update():
+        minibatch = {name: flat[name][minibatch_index]
+                     for name in ("obs", "goal", "actions", "logprobs", "values", "advantages", "value_targets")}
+        loss, terms = flexloop_losses(network, minibatch, args, lambda_depth)
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        nn.utils.clip_grad_norm_(network.parameters(), args.max_grad_norm)
+        optimizer.step()
+        loss_sums.add_(torch.stack([terms[name] for name in LOSS_NAMES]).detach())
+
+    return update
+
+
 # ---------------------------------------------------------------------------------------------------------
-# Rollouts and per-depth evaluation
+# ALGO LOGIC: data
 # ---------------------------------------------------------------------------------------------------------
 def make_rollout_buffers(num_steps, num_envs, device):
     """(T, N, ...) tensors, allocated once so a captured update can read them."""
@@ -419,6 +497,48 @@ def make_rollout_buffers(num_steps, num_envs, device):
                 truncated=steps(torch.bool), advantages=steps(), value_targets=steps())
 
 
+
+def compute_gae(rewards, values, terminated, truncated, final_values, next_value, gamma, gae_lambda):
+    """Advantages and returns of a rollout, all (T, N) except next_value (N,) = V(obs after the last step).
+
+    An episode that ends at step t cuts the recursion there. Its bootstrap value is 0 when it terminated
+    (success) and V(final_obs) when it was truncated by the step limit, since the value cannot see the clock.
+    Otherwise the bootstrap is the value of the next step's state, which is the same episode's."""
+    num_steps = rewards.shape[0]
+    advantages = torch.zeros_like(rewards)
+    last_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(num_steps)):
+        done = terminated[t] | truncated[t]
+        following_value = next_value if t == num_steps - 1 else values[t + 1]
+        bootstrap = torch.where(done, truncated[t] * final_values[t], following_value)
+        delta = rewards[t] + gamma * bootstrap - values[t]
+        last_advantage = delta + gamma * gae_lambda * (~done) * last_advantage
+        advantages[t] = last_advantage
+    return advantages, advantages + values
+
+
+@torch.no_grad()
+def prepare_targets(network, teacher, buffers, next_obs, args):
+    """After a rollout: GAE advantages from the student's own values, and the value loss's targets, which are
+    the GAE returns, or V_teacher(s, g) at depth K when a teacher is given. Written into buffers."""
+    flat = lambda name: buffers[name].flatten(0, 1)  # noqa: E731
+    shape = buffers["values"].shape
+    if args.timeout_bootstrap == "value":
+        final_values = network.full_depth(flat("final_obs"), flat("final_goal"))[1].view(shape)
+    else:  # a time-out ends the episode as a success does: nothing to bootstrap from
+        final_values = torch.zeros_like(buffers["values"])
+    next_value = network.full_depth(next_obs["observation"], next_obs["desired_goal"])[1]
+    advantages, returns = compute_gae(buffers["rewards"], buffers["values"], buffers["terminated"],
+                                      buffers["truncated"], final_values, next_value, args.gamma, args.gae_lambda)
+    if args.norm_adv and args.advantage_norm == "rollout":  # once here, so the minibatches see the same scale
+        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    buffers["advantages"].copy_(advantages)
+    if teacher is None:
+        buffers["value_targets"].copy_(returns)
+    else:
+        buffers["value_targets"].copy_(teacher.full_depth(flat("obs"), flat("goal"))[1].view(shape))
+
+
 def epoch_order(layout, num_steps, num_envs, generator, device):
     """One epoch's order of the flattened (T * N) rollout rows (row t * N + n is step t of env n); consecutive
     slices of it are the minibatches. rows: a random permutation of all rows. time-rows: a random permutation
@@ -427,6 +547,26 @@ def epoch_order(layout, num_steps, num_envs, generator, device):
         return torch.randperm(num_steps * num_envs, generator=generator, device=device)
     steps = torch.randperm(num_steps, generator=generator, device=device)
     return (steps[:, None] * num_envs + torch.arange(num_envs, device=device)).flatten()
+
+
+def minibatch_order(args, generator, device):
+    """The rollout rows of each update of one iteration, (update_epochs * num_minibatches, minibatch size): a
+    fresh epoch_order per epoch, cut into minibatches."""
+    return torch.stack([epoch_order(args.minibatch_layout, args.num_steps, args.num_envs, generator, device)
+                        for _ in range(args.update_epochs)]).view(args.update_epochs * args.num_minibatches, -1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Collection and per-depth evaluation
+# ---------------------------------------------------------------------------------------------------------
+def make_envs(args, device):
+    """One vector env for collection, and one per split for evaluation."""
+    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=args.seed, split="train", check_actions=False,
+                        max_steps=args.max_episode_steps, max_presses=args.train_max_presses).unwrapped
+    eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, split=split,
+                                      max_steps=args.max_episode_steps, check_actions=False).unwrapped
+                 for split in ["train", "unseen"]}
+    return env, eval_envs
 
 
 @torch.no_grad()
@@ -451,6 +591,20 @@ def collect_rollout(network, env, obs, buffers, generator, episode_sums):
     return obs
 
 
+
+def rollout_metrics(buffers, episode_sums):
+    """The statistics of the episodes finished since the last log (episode_sums is reset) and how much of the
+    value targets' variance the values explain."""
+    episodes = episode_sums[0].clamp(min=1)
+    targets, values = buffers["value_targets"], buffers["values"]
+    metrics = {"charts/episodes": episode_sums[0].clone(), "charts/train_success": episode_sums[1] / episodes,
+               "charts/episodic_return": episode_sums[2] / episodes,
+               "charts/episodic_length": episode_sums[3] / episodes,
+               "losses/explained_variance": 1 - (targets - values).var() / targets.var()}
+    episode_sums.zero_()
+    return metrics
+
+
 @torch.no_grad()
 def evaluate(network, eval_envs, seed):
     """Deterministic (argmax) success at every depth 1..K on each split: one episode per env, on the same
@@ -472,9 +626,107 @@ def evaluate(network, eval_envs, seed):
     return results
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Checkpoints (self-contained, atomic, weights_only) and metrics
-# ---------------------------------------------------------------------------------------------------------
+def format_eval(results, depth, iteration):
+    lines = [f"iteration {iteration} success by depth 1..{depth}:"]
+    for split in ["train", "unseen"]:
+        values = " ".join(f"{results[f'eval/{split}/success_depth_{k}']:.3f}" for k in range(1, depth + 1))
+        lines.append(f"  {split:7s} {values}")
+    return "\n".join(lines)
+
+
+# --- run plumbing: identical in every flexloop_*.py ---
+# Flags, run setup, checkpoints, the metrics log, RNG state, stop signals, progress and CUDA-graph capture. Nothing
+# here knows the algorithm: it reads the names defined above (Args, check_args, ALGORITHM, ENV_FLAG, NETWORK_FLAGS,
+# CHECKPOINT_PARTS, RESUME_FLAGS, GPU_SIZED_FLAGS, LOSS_NAMES, format_eval). Change the algorithm above and `train`
+# below; tests/test_layout.py keeps this block the same in every script.
+FLEXLOOP_SCRIPT = "flexloop-script-v1"  # this line marks a FlexLoop script: eval_adaptive.py imports no other file
+SCRIPT = Path(__file__).stem  # checkpoints name the script that wrote them
+CHECKPOINT_FORMAT = "flexloop-checkpoint-v2"
+OLD_CHECKPOINT_FORMAT = "flexloop-checkpoint-v1"  # read too: see upgrade_checkpoint
+CUDA_GRAPH_WARMUP = 3  # eager calls before a capture, as torch.cuda.graphs requires; they do real work
+CPU_HELP = 'README.md, "On a CPU"'
+
+
+def parse_args(argv=None, default=None, prog=None):
+    """The command line as a flat Args. --help lists the flags in the groups Args is made of, under flat names
+    (--lambda-depth); `default` replaces the defaults (iru_pretrain.py shows its own this way)."""
+    default = Args() if default is None else default
+    groups = {group.__name__.removesuffix("Args").lower(): group for group in reversed(Args.__bases__)}
+    flags = make_dataclass("Flags", [(name, Annotated[group, tyro.conf.OmitArgPrefixes])
+                                     for name, group in groups.items()])
+    defaults = flags(**{name: group(**{f.name: getattr(default, f.name) for f in fields(group)})
+                        for name, group in groups.items()})
+    given = tyro.cli(flags, args=argv, prog=prog, description=__doc__, default=defaults)
+    return Args(**{f.name: getattr(getattr(given, name), f.name) for name, group in groups.items()
+                   for f in fields(group)})
+
+
+class NoGPUError(RuntimeError):
+    """--require-cuda on a machine without a GPU."""
+
+
+@contextlib.contextmanager
+def errors_in_one_line():
+    """The errors raised on purpose (bad flags, checkpoints or data, a full disk, NaN in a loss) end the program
+    with their message in one line and exit status 1, not a traceback; --debug or FLEXLOOP_DEBUG=1 shows it."""
+    try:
+        yield
+    except (ValueError, OSError, FloatingPointError, NoGPUError) as error:
+        if "--debug" in sys.argv or os.environ.get("FLEXLOOP_DEBUG") == "1":
+            raise
+        print(f"{Path(sys.argv[0]).name}: error: {error}  (--debug shows the traceback)", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # before the stop signals are set up, or a second Ctrl-C
+        print(f"{Path(sys.argv[0]).name}: interrupted; nothing was saved since the last checkpoint", file=sys.stderr)
+        sys.exit(130)
+
+
+def pick_device(args):
+    """CUDA when there is a GPU and --cuda, else the CPU; say which, and warn when GPU-sized flags meet a CPU."""
+    if args.require_cuda and not torch.cuda.is_available():
+        raise NoGPUError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    print(f"{SCRIPT}: running on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'the CPU'}")
+    sized_for_gpu = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in GPU_SIZED_FLAGS
+                     if getattr(args, name) == getattr(Args(), name)]
+    if device.type == "cpu" and sized_for_gpu:
+        print(f"warning: {', '.join(sized_for_gpu)} are sized for a GPU, and on a CPU this run takes days. For a CPU "
+              f"run that finishes in minutes, see {CPU_HELP}.")
+    return device
+
+
+def args_from_checkpoint(checkpoint, path="the checkpoint"):
+    """The flags a checkpoint was trained with. Flags added since it was written take their defaults; flags this
+    script does not have mean another script wrote it."""
+    unknown = sorted(set(checkpoint["args"]) - {f.name for f in fields(Args)})
+    if unknown:
+        raise ValueError(f"{path} has flags {unknown} that {SCRIPT}.py does not know; it was written by "
+                         f"{checkpoint.get('script', 'another script')}.py: use that script for it")
+    return Args(**checkpoint["args"])
+
+
+def resumed_args(checkpoint, given):
+    """A resumed run keeps its own flags. Only RESUME_FLAGS come from the command line, and only where given."""
+    missing = [k for k in ("run_name", *CHECKPOINT_PARTS, "rng", "global_step", "updates") if k not in checkpoint]
+    if missing:
+        raise ValueError(f"--resume {given.resume} lacks {missing}, which resuming needs; start a new run from its "
+                         "weights with --init-checkpoint instead")
+    overrides = {name: getattr(given, name) for name in RESUME_FLAGS if getattr(given, name) != getattr(Args(), name)}
+    return replace(args_from_checkpoint(checkpoint, given.resume), **overrides)
+
+
+def check_compatible(init, args):
+    """An --init-checkpoint must match this run's env and network shape (NETWORK_FLAGS)."""
+    theirs = {"backbone": "iru", **init["args"]}  # checkpoints from before --backbone hold IRUs
+    for key in NETWORK_FLAGS:
+        if theirs[key] != getattr(args, key):
+            raise ValueError(f"--init-checkpoint was trained with {key}={theirs[key]!r} but this run has "
+                             f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {theirs[key]}")
+    if init["env_id"] != getattr(args, ENV_FLAG):
+        raise ValueError(f"--init-checkpoint was trained on {init['env_id']} but this run is on "
+                         f"{getattr(args, ENV_FLAG)}; pass --{ENV_FLAG.replace('_', '-')} {init['env_id']}")
+
+
 def save_checkpoint(path, payload):
     """Serialise in memory, write a temp file, then os.replace: a kill, a crash or a full disk never leaves a
     broken checkpoint or a stray temp file, and the previous checkpoint stays as it was."""
@@ -496,45 +748,80 @@ def save_checkpoint(path, payload):
                       "Free disk space or point --run-dir at a writable folder.") from error
 
 
-def load_checkpoint(path, algorithm=ALGORITHM):
-    """Load with weights_only=True (a checkpoint cannot run code) and check that it is ours."""
+def pickled_globals(path):
+    """module.name of every Python object a pickle names (objects that unpickling would call), read without
+    unpickling; [] when the file holds no readable pickle."""
+    data = Path(path).read_bytes()
+    if zipfile.is_zipfile(path):  # torch's format: the pickle is the archive's data.pkl
+        with zipfile.ZipFile(path) as archive:
+            data = next((archive.read(n) for n in archive.namelist() if n.endswith("data.pkl")), b"")
+    names, strings = [], []
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name in ("GLOBAL", "INST"):
+                names.append(arg.replace(" ", "."))
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(".".join(strings[-2:]))
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except Exception:  # not a pickle, or cut short: what was read so far
+        pass
+    return names
+
+
+def read_checkpoint_file(path):
+    """torch.load with weights_only=True, so that a file holding code is refused and the code never runs. When a
+    file cannot be loaded, the error says what it is instead."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+        raise FileNotFoundError(f"checkpoint {path} does not exist; pass a .pt file written by a FlexLoop script, "
+                                "e.g. runs/<run_name>/latest.pt")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # unpickling refused, truncated or not a torch file
-        raise ValueError(f"{path} is not a loadable FlexLoop checkpoint: it is corrupt, truncated, not a checkpoint, "
-                         f"or carries code that weights_only loading refuses ({type(error).__name__}: "
-                         f"{str(error)[:200]})") from error
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") != CHECKPOINT_FORMAT:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        head = path.read_bytes()[:4096]
+        code = re.findall(r"GLOBAL ([\w.]+)", str(error))  # torch names the callable it refused
+        code = code or [name for name in pickled_globals(path) if not name.startswith(("torch.", "collections."))]
+        if code:
+            why = (f"was refused, and not loaded, because it can run code when loaded (it calls {code[0]}). Do not "
+                   "load this file: use a checkpoint that a FlexLoop script wrote")
+        elif not head:
+            why = "is empty, not a FlexLoop checkpoint; use an earlier checkpoint (latest.pt, pretrained.pt)"
+        elif zipfile.is_zipfile(path) or head.startswith(b"PK"):
+            why = ("is corrupt or truncated (an incomplete torch archive), not a loadable FlexLoop checkpoint; use an "
+                   "earlier checkpoint (latest.pt, pretrained.pt) or copy the file again")
+        elif all(32 <= b < 127 or b in b"\t\r\n" for b in head):
+            why = "is a text file, not a FlexLoop checkpoint (a .pt file that flexloop_*.py writes into runs/<run>/)"
+        else:
+            why = (f"is not a FlexLoop checkpoint: torch cannot read it ({type(error).__name__}); it is corrupt, "
+                   "truncated or another kind of file")
+        raise ValueError(f"{path} {why}") from error
+
+
+def upgrade_checkpoint(checkpoint):
+    """The first format (flexloop-checkpoint-v1) counted iterations as "interval" (GC-IQL: as "global_step", one
+    update each) and did not name its script. Read it as the current format."""
+    if checkpoint.get("format") == OLD_CHECKPOINT_FORMAT:
+        checkpoint = {**checkpoint, "format": CHECKPOINT_FORMAT}
+        checkpoint.setdefault("iteration", checkpoint.pop("interval", checkpoint.get("global_step", 0)))
+    checkpoint.setdefault("script", f"flexloop_{checkpoint.get('algorithm')}")
+    checkpoint.setdefault("iteration_updates", 0)
+    return checkpoint
+
+
+def load_checkpoint(path, algorithm=ALGORITHM):
+    """A checkpoint of this algorithm, read safely (read_checkpoint_file) and checked to be a FlexLoop one."""
+    checkpoint = read_checkpoint_file(path)
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") not in (CHECKPOINT_FORMAT, OLD_CHECKPOINT_FORMAT):
         raise ValueError(f"{path} is not a FlexLoop checkpoint (no '{CHECKPOINT_FORMAT}' format tag)")
     missing = [k for k in ("algorithm", "args", "env_id", "depth", "model") if k not in checkpoint]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {missing}; it was not written by a FlexLoop script")
+    checkpoint = upgrade_checkpoint(checkpoint)
     if checkpoint["algorithm"] != algorithm:
-        raise ValueError(f"checkpoint {path} is from {checkpoint['algorithm']!r}, not {algorithm!r}; "
-                         f"use flexloop_{checkpoint['algorithm']}.py for it")
+        raise ValueError(f"checkpoint {path} is from {checkpoint['algorithm']!r}, not {algorithm!r}; use "
+                         f"{checkpoint['script']}.py for it")
     return checkpoint
-
-
-def build_network(args: Args, device):
-    if args.backbone == "lstm":
-        return LSTMActorCritic(args.depth, args.hidden_dim, args.obs_clip).to(device)
-    return IRUActorCritic(args.depth, args.hidden_dim, args.iru_variant, args.obs_clip).to(device)
-
-
-def frozen_copy(network):
-    """The teacher: a copy that no optimiser or normaliser update touches."""
-    return copy.deepcopy(network).requires_grad_(False).eval()
-
-
-def network_from_checkpoint(checkpoint, device="cpu"):
-    """Rebuild the network (its observation normaliser included) from a checkpoint alone."""
-    args = Args(**checkpoint["args"])
-    network = build_network(args, device)
-    network.load_state_dict(checkpoint["model"])
-    return network, args
 
 
 def parses(line):
@@ -569,6 +856,14 @@ class MetricsLog:
         return record
 
 
+def check_finite(metrics, updates):
+    """Stop at a NaN or inf, naming the term: no checkpoint is written with weights it has reached."""
+    for name, value in metrics.items():
+        if torch.is_tensor(value) and not torch.isfinite(value).all():
+            raise FloatingPointError(f"{name} became {value.item()} in the updates before update {updates}; "
+                                     "stopping. The last checkpoint written (latest.pt) is from before this.")
+
+
 def rng_state(generators):
     state = {"python": random.getstate()[1], "numpy": np.random.get_state()[1].tolist(), "torch": torch.get_rng_state()}
     state.update({name: g.get_state() for name, g in generators.items()})
@@ -584,291 +879,375 @@ def set_rng_state(state, generators):
         g.set_state(state[name])
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------------------------------------
-def make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums):
-    """One minibatch update: the rows minibatch_index of the rollout, PPO at depth K + lambda * adjacent-depth
-    KL, gradient clipping, Adam. No host sync, fixed shapes: it can be captured in a CUDA graph."""
-    flat = {name: tensor.flatten(0, 1) for name, tensor in buffers.items()}  # views: (T * N, ...)
+class StopSignals:
+    """SIGTERM (SLURM preemption, kill) and Ctrl-C ask the run to stop: it finishes the update in progress, writes
+    latest.pt, prints the command that resumes it and exits cleanly. A second Ctrl-C quits at once."""
 
-    def update():
-        rows = minibatch_index
-        logits, values = network.all_depths(flat["obs"][rows], flat["goal"][rows])  # (K, B, A), (K, B)
-        policy_loss, value_loss, entropy, approx_kl, clipfrac = ppo_loss(
-            logits[-1], values[-1], flat["actions"][rows], flat["logprobs"][rows], flat["values"][rows],
-            flat["advantages"][rows], flat["value_targets"][rows], args.clip_coef, args.clip_vloss,
-            args.norm_adv and args.advantage_norm == "minibatch")
-        depth_loss = flexloop_depth_loss(logits, args.depth_target)
-        loss = policy_loss - args.ent_coef * entropy + args.vf_coef * value_loss + lambda_depth * depth_loss
-        optimizer.zero_grad(set_to_none=False)
-        loss.backward()
-        nn.utils.clip_grad_norm_(network.parameters(), args.max_grad_norm)
-        optimizer.step()
-        loss_sums.add_(torch.stack([policy_loss, value_loss, entropy, depth_loss, approx_kl, clipfrac]).detach())
+    def __init__(self):
+        self.reason, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():  # Python takes signals in the main thread only
+            self.previous = {sig: signal.signal(sig, self.request) for sig in (signal.SIGTERM, signal.SIGINT)}
 
-    return update
+    def request(self, signum, frame):
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        print(f"\n{self.reason}: stopping after this update to write latest.pt (Ctrl-C again quits without it)",
+              file=sys.stderr, flush=True)
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
-@torch.no_grad()
-def prepare_targets(network, teacher, buffers, next_obs, args):
-    """After a rollout: GAE advantages from the student's own values, and the value loss's targets, which are
-    the GAE returns, or V_teacher(s, g) at depth K when a teacher is given. Written into buffers."""
-    flat = lambda name: buffers[name].flatten(0, 1)  # noqa: E731
-    shape = buffers["values"].shape
-    if args.timeout_bootstrap == "value":
-        final_values = network.full_depth(flat("final_obs"), flat("final_goal"))[1].view(shape)
-    else:  # a time-out ends the episode as a success does: nothing to bootstrap from
-        final_values = torch.zeros_like(buffers["values"])
-    next_value = network.full_depth(next_obs["observation"], next_obs["desired_goal"])[1]
-    advantages, returns = compute_gae(buffers["rewards"], buffers["values"], buffers["terminated"],
-                                      buffers["truncated"], final_values, next_value, args.gamma, args.gae_lambda)
-    if args.norm_adv and args.advantage_norm == "rollout":  # once here, so the minibatches see the same scale
-        advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-    buffers["advantages"].copy_(advantages)
-    if teacher is None:
-        buffers["value_targets"].copy_(returns)
-    else:
-        buffers["value_targets"].copy_(teacher.full_depth(flat("obs"), flat("goal"))[1].view(shape))
+def capture_cuda_graph(fn, generators):
+    """Record fn() in a CUDA graph and return a function that replays it and returns fn's (static) outputs.
 
+    Warm-up calls run on a side stream first, as torch.cuda.graphs requires; they do real work. The random
+    generators fn draws from are registered, so every replay draws fresh numbers.
 
-def train(args: Args):
-    check_args(args)
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    checkpoint = load_checkpoint(args.resume) if args.resume else None
-    if checkpoint is not None:
-        missing = [k for k in ("run_name", "teacher_model", "optimizer", "rng", "interval", "updates", "global_step")
-                   if k not in checkpoint]
-        if missing:
-            raise ValueError(f"--resume {args.resume} lacks {missing}, which resuming needs; start a new run from "
-                             "its weights with --init-checkpoint instead")
-        # A resumed run keeps its own flags: only the checkpoint path comes from the command line.
-        resume_path, args = args.resume, Args(**checkpoint["args"])
-        args.resume = resume_path
-    init = load_checkpoint(args.init_checkpoint) if args.init_checkpoint and checkpoint is None else None
-    if init is not None:
-        check_compatible(init, args)
-
-    run_name = checkpoint["run_name"] if checkpoint else \
-        f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    # A resumed run continues in the folder its checkpoint lies in, wherever that folder has moved.
-    run_dir = Path(args.resume).resolve().parent if checkpoint else Path(args.run_dir) / run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not os.access(run_dir, os.W_OK):
-        raise PermissionError(f"run folder {run_dir} is not writable; point --run-dir at a writable folder")
-
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    torch.backends.cuda.matmul.allow_tf32 = True
-
-    # Envs: one for collection, one per split for evaluation (reseeded at each evaluation: fixed task sets).
-    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=args.seed, split="train",
-                        max_steps=args.max_episode_steps, max_presses=args.train_max_presses,
-                        check_actions=False).unwrapped
-    eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, split=split,
-                                      max_steps=args.max_episode_steps, check_actions=False).unwrapped
-                 for split in ["train", "unseen"]}
-    eval_seed = args.seed + 1000
-    generators = {"actions": torch.Generator(device).manual_seed(args.seed),
-                  "minibatch": torch.Generator(device).manual_seed(args.seed + 1),
-                  "env": env.generator}
-
-    network = build_network(args, device)
-    if init is not None:
-        network.load_state_dict(init["model"])
-    teacher = frozen_copy(network) if init is not None else None
-    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, eps=1e-5,
-                                 capturable=device.type == "cuda")
-    buffers = make_rollout_buffers(args.num_steps, args.num_envs, device)
-    batch_size = args.num_envs * args.num_steps
-    minibatch_size = batch_size // args.num_minibatches
-
-    # Phases: IRU-K pretraining (lambda = 0, GAE value targets) unless a pretrained network was given, then
-    # FlexLoop. Budgets are whole rollouts.
-    phases = [] if init is not None else [("pretrain", args.pretrain_timesteps // batch_size, 0.0)]
-    phases.append(("flexloop", args.total_timesteps // batch_size, args.lambda_depth))
-    phases = [p for p in phases if p[1] > 0]
-    total_iterations = sum(p[1] for p in phases)
-    iteration, updates, global_step, last_metrics, wandb_id = 0, 0, 0, {}, None
-    if checkpoint is not None:
-        network.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        if checkpoint["teacher_model"] is not None:
-            teacher = frozen_copy(network)
-            teacher.load_state_dict(checkpoint["teacher_model"])
-        set_rng_state(checkpoint["rng"], generators)
-        iteration, updates, global_step = checkpoint["interval"], checkpoint["updates"], checkpoint["global_step"]
-        last_metrics, wandb_id = checkpoint.get("metrics", {}), checkpoint.get("wandb_id")
-        print(f"resuming {run_name} at iteration {iteration}/{total_iterations} (the envs restart their episodes)")
-
-    wandb_run = None
-    if args.track:
-        import wandb
-        wandb_run = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, group=args.wandb_group,
-                               tags=list(args.wandb_tags), config=asdict(args), name=run_name,
-                               id=wandb_id, resume="allow", dir=str(run_dir))
-        wandb_id = wandb_run.id
-    metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume_step=global_step if checkpoint else None,
-                             wandb_run=wandb_run)
-
-    def phase_at(i):
-        start = 0
-        for name, length, lam in phases:
-            if i < start + length:
-                return name, lam
-            start += length
-        return phases[-1][0], phases[-1][2]
-
-    def make_checkpoint():
-        # Weights a NaN/inf has reached are never saved: the losses summed since the last log are checked first.
-        check_finite(dict(zip(["losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/depth_kl"],
-                              loss_sums)), updates)
-        # "interval" is the project's name for one collect + update round: here a PPO iteration.
-        return {"format": CHECKPOINT_FORMAT, "algorithm": ALGORITHM, "args": asdict(args), "env_id": args.env_id,
-                "depth": args.depth, "run_name": run_name, "model": network.state_dict(),
-                "teacher_model": None if teacher is None else teacher.state_dict(),
-                "optimizer": optimizer.state_dict(), "interval": iteration, "updates": updates,
-                "global_step": global_step, "phase": phase_at(iteration)[0], "rng": rng_state(generators),
-                "metrics": last_metrics, "wandb_id": wandb_id}
-
-    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
-    minibatch_index = torch.zeros(minibatch_size, dtype=torch.long, device=device)
-    # policy, value, entropy, depth KL, approx KL, clipfrac: summed on the device between logs
-    loss_sums = torch.zeros(6, device=device)
-    episode_sums = torch.zeros(4, device=device)  # finished episodes: count, successes, returns, lengths
-    update = make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums)
-    if args.compile:
-        update = torch.compile(update)
-    run_update = update
-    pbar = tqdm(total=total_iterations, initial=iteration, desc=run_name, dynamic_ncols=True)
-    interrupted = []
-    signal.signal(signal.SIGTERM, lambda *_: interrupted.append(True))  # SLURM preemption: save, then exit
-
-    obs, _ = env.reset()
-    start_time, start_step, updates_since_log = time.time(), global_step, 0
-    while iteration < total_iterations:
-        phase, lam = phase_at(iteration)
-        if phase == "flexloop" and teacher is None:
-            teacher = frozen_copy(network)  # two-phase run: the pretrained model at the switch
-        lambda_depth.fill_(lam)
-        network.train()
-        obs = collect_rollout(network, env, obs, buffers, generators["actions"], episode_sums)
-        global_step += batch_size
-        if args.obs_norm_update == "before-epochs":  # the authors' order: GAE and the epochs see this rollout's stats
-            network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
-        use_teacher = phase == "flexloop" and args.teacher_value_targets
-        prepare_targets(network, teacher if use_teacher else None, buffers, obs, args)
-
-        if run_update is update and args.cuda_graph:
-            minibatch_index.copy_(torch.randperm(batch_size, generator=generators["minibatch"],
-                                                 device=device)[:minibatch_size])
-            run_update = capture_cuda_graph(update)
-            updates += CUDA_GRAPH_WARMUP  # the capture's warm-up runs real updates
-            updates_since_log += CUDA_GRAPH_WARMUP
-        for _ in range(args.update_epochs):
-            permutation = epoch_order(args.minibatch_layout, args.num_steps, args.num_envs, generators["minibatch"],
-                                      device)
-            for start in range(0, batch_size, minibatch_size):
-                minibatch_index.copy_(permutation[start:start + minibatch_size])
-                run_update()
-        updates += args.update_epochs * args.num_minibatches
-        updates_since_log += args.update_epochs * args.num_minibatches
-        if args.obs_norm_update == "after-epochs":  # ours: the rollout's own ratios start at exactly 1
-            network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
-        iteration += 1
-        pbar.update(1)
-        if args.hard_reset_every and iteration % args.hard_reset_every == 0:
-            obs, _ = env.reset()  # fresh tasks for all envs; GAE above already bootstrapped from the old obs
-
-        if iteration % args.log_every == 0 or iteration == total_iterations:
-            losses = loss_sums / updates_since_log
-            episodes = episode_sums[0].clamp(min=1)
-            targets, values = buffers["value_targets"], buffers["values"]
-            metrics = {"phase": phase, "charts/iteration": iteration, "charts/updates": updates,
-                       "charts/learning_rate": args.learning_rate, "charts/lambda_depth": lam,
-                       "losses/policy_loss": losses[0], "losses/value_loss": losses[1], "losses/entropy": losses[2],
-                       "losses/depth_kl": losses[3], "losses/approx_kl": losses[4], "losses/clipfrac": losses[5],
-                       "losses/explained_variance": 1 - (targets - values).var() / targets.var(),
-                       "charts/episodes": episode_sums[0], "charts/train_success": episode_sums[1] / episodes,
-                       "charts/episodic_return": episode_sums[2] / episodes,
-                       "charts/episodic_length": episode_sums[3] / episodes,
-                       "charts/SPS": int((global_step - start_step) / (time.time() - start_time))}
-            check_finite(metrics, updates)
-            last_metrics = metrics_log.write(metrics, global_step)
-            loss_sums.zero_()
-            episode_sums.zero_()
-            updates_since_log = 0
-            pbar.set_postfix(success=f"{last_metrics['charts/train_success']:.3f}",
-                             kl=f"{last_metrics['losses/depth_kl']:.3g}")
-        if iteration % args.eval_every == 0 or iteration == total_iterations or phase_at(iteration)[0] != phase:
-            network.eval()
-            results = metrics_log.write({"phase": phase, **evaluate(network, eval_envs, eval_seed)}, global_step)
-            last_metrics.update(results)
-            pbar.write(format_eval(results, args.depth, iteration))
-        if phase == "pretrain" and phase_at(iteration)[0] != phase:
-            save_checkpoint(run_dir / "pretrained.pt", make_checkpoint())  # the IRU-K baseline
-        if iteration % args.save_every == 0 or iteration == total_iterations or interrupted:
-            save_checkpoint(run_dir / "latest.pt", make_checkpoint())
-        if interrupted:
-            pbar.write(f"SIGTERM: saved {run_dir / 'latest.pt'} at iteration {iteration}; resume with "
-                       f"--resume {run_dir / 'latest.pt'}")
-            break
-    pbar.close()
-    if not interrupted:
-        save_checkpoint(run_dir / "final.pt", make_checkpoint())
-    metrics_log.file.close()
-    if wandb_run is not None:
-        wandb_run.finish()
-    return run_dir
-
-
-def check_compatible(init, args):
-    """A pretrained checkpoint must match this run's env and network shape."""
-    theirs = {"backbone": "iru", **init["args"]}  # checkpoints from before --backbone hold IRUs
-    for key in ["depth", "hidden_dim", "iru_variant", "backbone"]:
-        if theirs[key] != getattr(args, key):
-            raise ValueError(f"--init-checkpoint was trained with {key}={theirs[key]!r} but this run has "
-                             f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {theirs[key]}")
-    if init["env_id"] != args.env_id:
-        raise ValueError(f"--init-checkpoint was trained on {init['env_id']} but this run is on {args.env_id}; "
-                         f"pass --env-id {init['env_id']}")
-
-
-def check_finite(metrics, updates):
-    for name in ["losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/depth_kl"]:
-        value = metrics[name]
-        if not torch.isfinite(value).all():
-            raise FloatingPointError(f"{name} became {value.item()} in the updates before update {updates}; "
-                                     "stopping. The last checkpoint written (latest.pt) is from before this.")
-
-
-def format_eval(results, depth, iteration):
-    lines = [f"iteration {iteration} success by depth 1..{depth}:"]
-    for split in ["train", "unseen"]:
-        values = " ".join(f"{results[f'eval/{split}/success_depth_{k}']:.3f}" for k in range(1, depth + 1))
-        lines.append(f"  {split:7s} {values}")
-    return "\n".join(lines)
-
-
-CUDA_GRAPH_WARMUP = 3
-
-
-def capture_cuda_graph(update):
-    """Record one minibatch update in a CUDA graph (forward, backward, clipping, Adam) and return its replay.
-    Warm-up runs on a side stream first, as torch.cuda.graphs requires."""
+    A run captures again mid-run (GC-DQN: each phase has its own update). On an H200 that second capture failed
+    (cudaErrorStreamCaptureImplicit in the backward pass) with the default global capture mode; eval_adaptive's
+    mid-run captures failed the same way until garbage was collected first, the collector paused during the
+    capture and the capture mode made thread-local, so the same is done here."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(CUDA_GRAPH_WARMUP):
-            update()
+            fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        update()
-    return graph.replay
+    for generator in generators:
+        graph.register_generator_state(generator)
+    collector_was_on = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = fn()
+    finally:
+        if collector_was_on:
+            gc.enable()
+
+    def replay():
+        graph.replay()
+        return outputs
+
+    return replay
+
+
+def duration(seconds):
+    minutes, hours = seconds / 60, seconds / 3600
+    return f"{hours / 24:.1f} days" if hours >= 48 else f"{hours:.1f} h" if minutes >= 90 else \
+        f"{minutes:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+class Run:
+    """One training run's bookkeeping, in the order train uses it:
+
+        run = Run(args)            flags checked (a resumed run's own), checkpoints read, device, seeds; no files yet
+        run.begin(...)             run folder, W&B, metrics log, state restored on --resume, stop signals, progress
+        while run.running():       until the last iteration, or a stop (SIGTERM, Ctrl-C)
+            run.phase()            (phase, lambda_depth) of this iteration
+            run.update_steps(n)    the iteration's update loop; it ends early when a stop comes
+            run.end_iteration()    the counters move on (False when a stop cut the updates short)
+            run.log_due() / run.log(metrics), run.evaluate_due() / run.evaluate(fn, ...), run.save_due()
+        run.finish()               final.pt, or latest.pt and the command that resumes the run
+
+    Counters: `iteration` counts collect -> update rounds, `global_step` env steps (GC-IQL: updates), `updates`
+    gradient steps; checkpoints and metrics use these names."""
+
+    def __init__(self, args):
+        check_args(args)
+        if args.save_every_minutes < 0:
+            raise ValueError(f"--save-every-minutes must be >= 0 (0: never), got {args.save_every_minutes}")
+        self.checkpoint = load_checkpoint(args.resume) if args.resume else None
+        self.args = args = resumed_args(self.checkpoint, args) if self.checkpoint else args
+        self.init = None
+        if args.init_checkpoint and self.checkpoint is None:
+            self.init = load_checkpoint(args.init_checkpoint)
+            check_compatible(self.init, args)
+        self.device = pick_device(args)
+        self.cuda_graph = args.cuda_graph and self.device.type == "cuda"
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def begin(self, phases, parts, generators, loss_sums, steps_per_iteration, updates_per_iteration,
+              progress="updates"):
+        """phases: (name, iterations, lambda_depth) in order; parts: the CHECKPOINT_PARTS (modules, the optimiser;
+        None where absent), read whenever a checkpoint is written; loss_sums: the LOSS_NAMES summed on the device
+        since the last log; progress: what the progress bar counts, "updates" or "env steps"."""
+        args, checkpoint = self.args, self.checkpoint
+        self.phases = [p for p in phases if p[1] > 0]
+        if not self.phases:
+            raise ValueError("nothing to train: every phase has a budget of 0; raise the pretraining or the "
+                             "post-training budget")
+        self.total_iterations = sum(length for _, length, _ in self.phases)
+        self.parts, self.generators, self.loss_sums = parts, generators, loss_sums
+        self.steps_per_iteration, self.updates_per_iteration = steps_per_iteration, updates_per_iteration
+        self.name = checkpoint["run_name"] if checkpoint else \
+            f"{getattr(args, ENV_FLAG)}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        # A resumed run continues in the folder its checkpoint lies in, wherever that folder has moved.
+        self.dir = Path(args.resume).resolve().parent if checkpoint else Path(args.run_dir) / self.name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.dir, os.W_OK):
+            raise PermissionError(f"run folder {self.dir} is not writable; point --run-dir at a writable folder")
+        self.iteration = self.global_step = self.updates = self.iteration_updates = 0
+        self.last_metrics, self.wandb_id = {}, None
+        if checkpoint is not None:
+            for name, part in parts.items():
+                if part is not None and checkpoint.get(name) is not None:
+                    part.load_state_dict(checkpoint[name])
+            set_rng_state(checkpoint["rng"], generators)
+            self.iteration, self.global_step, self.updates = (checkpoint[k] for k in ("iteration", "global_step",
+                                                                                       "updates"))
+            self.iteration_updates = checkpoint["iteration_updates"]
+            self.last_metrics, self.wandb_id = checkpoint.get("metrics", {}), checkpoint.get("wandb_id")
+            print(f"resuming {self.name} at iteration {self.iteration}/{self.total_iterations}, update {self.updates} "
+                  "(what checkpoints do not hold starts afresh: the replay refills, the envs start new episodes)")
+        self.wandb_run = None
+        if args.track:
+            import wandb
+            self.wandb_run = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity,
+                                        group=args.wandb_group, tags=list(args.wandb_tags), config=asdict(args),
+                                        name=self.name, id=self.wandb_id, resume="allow", dir=str(self.dir),
+                                        save_code=True)
+            self.wandb_id = self.wandb_run.id
+        self.metrics_log = MetricsLog(self.dir / "metrics.jsonl", self.global_step if checkpoint else None,
+                                      self.wandb_run)
+        self.stop = StopSignals()
+        self.progress_unit = progress
+        per_iteration = updates_per_iteration if progress == "updates" else steps_per_iteration
+        done = self.updates if progress == "updates" else self.global_step
+        self.progress = tqdm(total=self.total_iterations * per_iteration, initial=done, desc=self.name,
+                             unit=" " + progress, dynamic_ncols=True)
+        self.started = self.last_save = self.clock = time.perf_counter()
+        self.first_tick, self.projected = None, False
+        self.train_seconds, self.logged = 0.0, (self.global_step, self.updates)
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *error):
+        """Whatever happens: the progress bar, the metrics log and W&B closed, the signal handlers given back."""
+        self.progress.close()
+        self.metrics_log.file.close()
+        self.stop.restore()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+    def phase_of(self, iteration):
+        start = 0
+        for name, length, lambda_depth in self.phases:
+            if iteration < start + length:
+                return name, lambda_depth
+            start += length
+        return self.phases[-1][0], self.phases[-1][2]
+
+    def phase(self):
+        return self.phase_of(self.iteration)
+
+    def running(self):
+        return self.iteration < self.total_iterations and self.stop.reason is None
+
+    def graphed(self, fn, generators, *args):
+        """fn(*args) replayed from a CUDA graph with --cuda-graph on a GPU, eager otherwise."""
+        fn = partial(fn, *args)
+        return capture_cuda_graph(fn, generators) if self.cuda_graph else fn
+
+    def graphed_update(self, update, generators):
+        """The update replayed from a CUDA graph (see graphed); the capture's warm-up updates are counted."""
+        if self.cuda_graph:
+            self.updates += CUDA_GRAPH_WARMUP
+        return self.graphed(update, generators)
+
+    def update_steps(self, count):
+        """range(count) for an iteration's update loop. It ends early, within one update, when a stop comes, and
+        skips the updates that a stopped iteration had done before it was resumed. Counts each update, moves the
+        progress bar and writes latest.pt every --save-every-minutes."""
+        for i in range(self.iteration_updates, count):
+            if self.stop.reason is not None:
+                return
+            yield i
+            self.updates += 1
+            self.iteration_updates += 1
+            self.tick(1 if self.progress_unit == "updates" else 0)
+            if 0 < self.args.save_every_minutes <= (time.perf_counter() - self.last_save) / 60:
+                self.save("latest.pt")
+
+    def end_iteration(self):
+        """The counters move on to the next iteration; False (and they stay) when a stop cut the updates short."""
+        if self.iteration_updates < self.updates_per_iteration:
+            return False
+        self.iteration += 1
+        self.global_step += self.steps_per_iteration
+        self.iteration_updates = 0
+        self.tick(self.steps_per_iteration if self.progress_unit == "env steps" else 0)
+        return True
+
+    def tick(self, amount):
+        """The progress bar, and once, after a measured stretch, the projected time of the whole run."""
+        self.progress.update(amount)
+        now = time.perf_counter()
+        if self.first_tick is None and self.progress.n > self.progress.initial:
+            self.first_tick = (now, self.progress.n)
+        elif self.first_tick is not None and not self.projected and self.progress.n > self.first_tick[1] and (
+                now - self.first_tick[0] >= 15 or self.iteration >= 2):
+            rate = (self.progress.n - self.first_tick[1]) / (now - self.first_tick[0])
+            left = (self.progress.total - self.progress.n) / rate
+            self.progress.write(f"projected: {duration(now - self.started + left)} for the whole run, "
+                                f"{duration(left)} left ({rate:.3g}{self.progress.unit}/s on {self.device.type})"
+                                + (f"; for a CPU run that finishes in minutes see {CPU_HELP}"
+                                   if self.device.type == "cpu" and left > 3600 else ""))
+            self.projected = True
+
+    def due(self, every):
+        return self.iteration % every == 0 or self.iteration == self.total_iterations
+
+    def phase_ends(self):
+        return self.phase_of(self.iteration - 1)[0] != self.phase_of(self.iteration)[0]
+
+    def log_due(self):
+        return self.due(self.args.log_every)
+
+    def evaluate_due(self):
+        return self.due(self.args.eval_every) or self.phase_ends()
+
+    def log(self, metrics):
+        """The loss means since the last log, the counters, speed and the given metrics: metrics.jsonl and W&B."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.train_seconds += now - self.clock
+        steps, updates = self.global_step - self.logged[0], self.updates - self.logged[1]
+        metrics = {"phase": self.phase_of(self.iteration - 1)[0], "charts/iteration": self.iteration,
+                   "charts/updates": self.updates, **dict(zip(LOSS_NAMES, self.loss_sums / max(updates, 1))),
+                   "charts/SPS": int(steps / max(self.train_seconds, 1e-9)),
+                   "charts/updates_per_second": updates / max(self.train_seconds, 1e-9), **metrics}
+        check_finite({name: metrics[name] for name in LOSS_NAMES}, self.updates)
+        self.loss_sums.zero_()
+        self.last_metrics = self.metrics_log.write(metrics, self.global_step)
+        self.progress.set_postfix({name.split("/")[-1]: f"{self.last_metrics[name]:.3g}" for name in LOSS_NAMES[:2]})
+        self.train_seconds, self.logged, self.clock = 0.0, (self.global_step, self.updates), time.perf_counter()
+
+    def evaluate(self, evaluate, *args, **kwargs):
+        """evaluate(*args, **kwargs) -> {metric: value}, logged and printed; its time is not training time (SPS)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.train_seconds += time.perf_counter() - self.clock
+        results = evaluate(*args, **kwargs)
+        self.last_metrics.update(self.metrics_log.write({"phase": self.phase_of(self.iteration - 1)[0], **results},
+                                                        self.global_step))
+        self.progress.write(format_eval(results, self.args.depth, self.iteration))
+        self.clock = time.perf_counter()
+        return results
+
+    def save_due(self):
+        """pretrained.pt when pretraining ends; latest.pt every --save-every iterations and at the end."""
+        if self.phase_of(self.iteration - 1)[0] == "pretrain" and self.phase_ends():
+            self.save("pretrained.pt")  # the IRU-K baseline
+        if self.due(self.args.save_every):
+            self.save("latest.pt")
+
+    def save(self, name):
+        """A checkpoint: everything that evaluating or resuming this run needs, written atomically."""
+        check_finite(dict(zip(LOSS_NAMES, self.loss_sums)), self.updates)  # never save weights a NaN reached
+        save_checkpoint(self.dir / name, {
+            "format": CHECKPOINT_FORMAT, "algorithm": ALGORITHM, "script": SCRIPT, "args": asdict(self.args),
+            "env_id": getattr(self.args, ENV_FLAG), "depth": self.args.depth, "run_name": self.name,
+            "phase": self.phase_of(max(self.iteration - 1, 0))[0], "iteration": self.iteration,
+            "iteration_updates": self.iteration_updates, "global_step": self.global_step, "updates": self.updates,
+            "rng": rng_state(self.generators), "metrics": self.last_metrics, "wandb_id": self.wandb_id,
+            **{name: None if part is None else part.state_dict() for name, part in self.parts.items()}})
+        self.last_save = time.perf_counter()
+
+    def finish(self):
+        """final.pt when the run is complete; when it was stopped, latest.pt and the command that resumes it."""
+        if self.stop.reason is None:
+            self.save("final.pt")
+            return self.dir
+        self.save("latest.pt")
+        self.progress.write(f"{self.stop.reason}: saved {self.dir / 'latest.pt'} at iteration {self.iteration} "
+                            f"(update {self.updates}); resume with\n    python {os.path.relpath(__file__)} --resume "
+                            f"{self.dir / 'latest.pt'}")
+        return self.dir
+# --- end of run plumbing ---
+
+
+def train(args: Args):
+    run = Run(args)  # the flags checked (a resumed run's own), checkpoints read, the device picked, seeds set
+    args, device = run.args, run.device
+    env, eval_envs = make_envs(args, device)
+    generators = {"actions": torch.Generator(device).manual_seed(args.seed),
+                  "minibatch": torch.Generator(device).manual_seed(args.seed + 1),
+                  "env": env.generator}
+    network = build_network(args, device)
+    if run.init is not None:
+        network.load_state_dict(run.init["model"])
+    # The teacher of the FlexLoop phase's value targets: the --init-checkpoint model, else made at the switch.
+    has_teacher = run.init is not None or (run.checkpoint or {}).get("teacher_model") is not None
+    teacher = frozen_copy(network) if has_teacher else None  # a resumed run's is loaded into it
+    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, eps=1e-5,
+                                 capturable=device.type == "cuda")
+    buffers = make_rollout_buffers(args.num_steps, args.num_envs, device)
+    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
+    loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
+    batch_size = args.num_envs * args.num_steps
+    minibatch_index = torch.zeros(batch_size // args.num_minibatches, dtype=torch.long, device=device)
+    episode_sums = torch.zeros(4, device=device)  # finished episodes: count, successes, returns, lengths
+    update = make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums)
+    if args.compile:
+        update = torch.compile(update)
+
+    # Phases: IRU-K pretraining (lambda = 0, GAE value targets) unless a pretrained network was given, then
+    # FlexLoop. Budgets are whole rollouts.
+    pretrain_timesteps = 0 if run.init is not None else args.pretrain_timesteps
+    phases = [("pretrain", pretrain_timesteps // batch_size, 0.0),
+              ("flexloop", args.total_timesteps // batch_size, args.lambda_depth)]
+    parts = {"model": network, "teacher_model": teacher, "optimizer": optimizer}
+    run.begin(phases, parts, generators, loss_sums, steps_per_iteration=batch_size,
+              updates_per_iteration=args.update_epochs * args.num_minibatches, progress="env steps")
+    obs, _ = env.reset()
+    graphed_update = None
+
+    with run:
+        while run.running():
+            phase, lam = run.phase()
+            lambda_depth.fill_(lam)
+            if phase == "flexloop" and teacher is None:  # a two-phase run: the pretrained model at the switch
+                teacher = parts["teacher_model"] = frozen_copy(network)
+            obs = collect_rollout(network, env, obs, buffers, generators["actions"], episode_sums)
+            if args.obs_norm_update == "before-epochs":  # the authors' order: GAE and the epochs see its stats
+                network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
+            prepare_targets(network, teacher if phase == "flexloop" and args.teacher_value_targets else None,
+                            buffers, obs, args)
+
+            order = minibatch_order(args, generators["minibatch"], device)
+            minibatch_index.copy_(order[run.iteration_updates])  # what a CUDA graph's capture runs on
+            graphed_update = graphed_update or run.graphed_update(update, [])
+            for i in run.update_steps(len(order)):
+                minibatch_index.copy_(order[i])
+                graphed_update()
+            if not run.end_iteration():
+                break  # stopped mid-iteration (SIGTERM, Ctrl-C): finish() writes latest.pt
+            if args.obs_norm_update == "after-epochs":  # ours: the rollout's own ratios start at exactly 1
+                network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
+            if args.hard_reset_every and run.iteration % args.hard_reset_every == 0:
+                obs, _ = env.reset()  # fresh tasks for all envs; GAE above already bootstrapped from the old obs
+
+            if run.log_due():
+                run.log({"charts/lambda_depth": lam, "charts/learning_rate": args.learning_rate,
+                         **rollout_metrics(buffers, episode_sums)})
+            if run.evaluate_due():
+                run.evaluate(evaluate, network, eval_envs, args.seed + 1000)
+            run.save_due()
+        return run.finish()
 
 
 if __name__ == "__main__":
-    train(tyro.cli(Args))
+    with errors_in_one_line():
+        train(parse_args())

@@ -2,47 +2,72 @@
 
     python iru_pretrain.py gcdqn --env-id BoxPick-Exact-4-v0 --depth 5
     python iru_pretrain.py gcppo --pretrain-timesteps 50000000
+    python iru_pretrain.py my_gcdqn.py --depth 8                 # your copy of a script
+    python iru_pretrain.py gcdqn --help                          # the flags, with the values pretraining uses
 
-Each subcommand takes its script's own flags, runs that script's `train` for its pretraining budget only,
-and leaves runs/<run_name>/final.pt: an IRU-K checkpoint that `--init-checkpoint` and eval_adaptive.py accept.
+The first argument is the script: gcdqn, gcppo or gciql (flexloop_<name>.py beside this file), or the path of a
+FlexLoop script, such as your copy of one. The rest are that script's own flags. Its `train` runs the pretraining
+phase only: the flags in the script's PRETRAINING_ONLY are fixed (lambda_depth 0, no post-training budget, no
+--init-checkpoint). The run leaves runs/<run_name>/final.pt, an IRU-K checkpoint that --init-checkpoint and
+eval_adaptive.py accept.
 """
 
 import dataclasses
 import sys
+from pathlib import Path
 
-import tyro
+from eval_adaptive import errors_in_one_line, import_script
 
-import flexloop_gcdqn
-import flexloop_gcppo
-import flexloop_gciql
-
-# subcommand -> (the script's Args with the paper's defaults, the script's train)
-ALGORITHMS = {
-    "gcdqn": (flexloop_gcdqn.Args(exp_name="iru_pretrain_gcdqn"), flexloop_gcdqn.train),
-    "gcppo": (flexloop_gcppo.Args(exp_name="iru_pretrain_gcppo"), flexloop_gcppo.train),
-    "gciql": (flexloop_gciql.Args(exp_name="iru_pretrain_gciql"), flexloop_gciql.train),
-}
+SHORT_NAMES = ("gcdqn", "gcppo", "gciql")
+USAGE = ("usage: python iru_pretrain.py {gcdqn,gcppo,gciql,PATH.py} [the script's flags]\n"
+         "       python iru_pretrain.py gcdqn --help      (the script's flags, with the values pretraining uses)")
 
 
-# the field holding each script's post-training budget (gcdqn: epochs, gciql: updates, gcppo: env steps)
-POST_TRAINING_BUDGETS = ("num_epochs", "total_steps", "total_timesteps")
+def load_script(script):
+    """The module of a FlexLoop script: gcdqn, gcppo or gciql, or the path of a FlexLoop script. A file that is not
+    one is refused before anything is imported from it (eval_adaptive.import_script)."""
+    if script in SHORT_NAMES:
+        return import_script(Path(__file__).resolve().parent / f"flexloop_{script}.py")
+    return import_script(script)
+
+
+def pretrain_default(module):
+    """The script's default flags as pretraining runs them (--help shows these)."""
+    name = f"iru_pretrain_{module.SCRIPT.removeprefix('flexloop_')}"
+    return dataclasses.replace(module.Args(exp_name=name), **module.PRETRAINING_ONLY)
 
 
 def pretrain_args(args):
-    """The same flags as pretraining only: lambda 0, no init checkpoint, no post-training phase."""
-    no_post_training = {name: 0 for name in POST_TRAINING_BUDGETS if hasattr(args, name)}
-    return dataclasses.replace(args, lambda_depth=0.0, init_checkpoint=None, **no_post_training)
+    """The same flags with the script's PRETRAINING_ONLY: lambda_depth 0, no post-training, no init checkpoint."""
+    module = sys.modules[type(args).__module__]
+    return dataclasses.replace(args, **module.PRETRAINING_ONLY)
 
 
-def main(algorithm, args):
-    _, train = ALGORITHMS[algorithm]
-    return train(pretrain_args(args))
+def main(script, args):
+    """Pretrain with `script` (a name, a path or the module itself) and these flags; returns the run folder."""
+    module = load_script(script) if isinstance(script, (str, Path)) else script
+    return module.train(pretrain_args(args))
+
+
+def cli(argv):
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__ + "\n" + USAGE)
+        sys.exit(0 if argv else 2)
+    if argv[0] not in SHORT_NAMES and not argv[0].endswith(".py"):
+        sys.exit(f"iru_pretrain.py: {argv[0]!r} is not a script; give gcdqn, gcppo, gciql or the path of a FlexLoop "
+                 f"script (a .py file)\n{USAGE}")
+    with errors_in_one_line():
+        module = load_script(argv[0])
+    with module.errors_in_one_line():
+        args = module.parse_args(argv[1:], default=pretrain_default(module), prog=f"iru_pretrain.py {argv[0]}")
+        changed = [f"--{name.replace('_', '-')}" for name, value in module.PRETRAINING_ONLY.items()
+                   if getattr(args, name) != value]
+        if changed:
+            raise ValueError(f"iru_pretrain.py fixes {', '.join(changed)} (pretraining is lambda_depth 0, with no "
+                             f"post-training and no init checkpoint); drop them, or run {module.SCRIPT}.py for "
+                             "FlexLoop post-training")
+        return main(module, args)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] not in ALGORITHMS:
-        sys.exit(f"usage: python iru_pretrain.py {{{','.join(ALGORITHMS)}}} [the script's flags]\n"
-                 f"       python iru_pretrain.py gcdqn --help")
-    algorithm = sys.argv[1]
-    default, _ = ALGORITHMS[algorithm]
-    main(algorithm, tyro.cli(type(default), default=default, args=sys.argv[2:], prog=f"iru_pretrain.py {algorithm}"))
+    cli(sys.argv[1:])

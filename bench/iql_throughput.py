@@ -33,24 +33,26 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def synthetic_dataset(spec, states, trajectory_length, device):
+def synthetic_dataset(env_name, states, trajectory_length, device):
     """Random observations and actions in trajectories of trajectory_length states: the sampler and the networks
     do the same work on it as on the real data."""
+    spec = ogbench_data.get_spec(env_name)
     generator = np.random.default_rng(0)
     observations = generator.standard_normal((states, spec.obs_dim)).astype(np.float32)
     actions = generator.uniform(-1, 1, (states, spec.action_dim)).astype(np.float32)
     valids = np.ones(states, np.float32)
     valids[trajectory_length - 1::trajectory_length] = 0.0
     valids[-1] = 0.0
-    return ogbench_data.GCDataset(observations, actions, valids, device=device,
-                                  actor_p_curgoal=spec.actor_p_curgoal, actor_p_trajgoal=spec.actor_p_trajgoal,
-                                  actor_p_randomgoal=spec.actor_p_randomgoal, actor_geom_sample=spec.actor_geom_sample)
+    p_cur, p_traj, p_random = gciql.DATASET_HYPERPARAMETERS[env_name].actor_goals
+    return ogbench_data.GCDataset(observations, actions, valids, device=device, actor_p_curgoal=p_cur,
+                                  actor_p_trajgoal=p_traj, actor_p_randomgoal=p_random,
+                                  actor_geom_sample=spec.actor_geom_sample)
 
 
 def measure_updates(args, dataset, device, mode, lam, num_updates):
     torch.manual_seed(0)
-    agent = gciql.build_agent(args, device)
-    target_critic = gciql.build_agent(args, device).critic
+    agent = gciql.build_network(args, device)
+    target_critic = gciql.build_network(args, device).critic
     target_critic.load_state_dict(agent.critic.state_dict())
     target_critic.requires_grad_(False)
     on_cuda = device.type == "cuda"
@@ -63,7 +65,7 @@ def measure_updates(args, dataset, device, mode, lam, num_updates):
     if mode == "compile-update-graph":
         update = torch.compile(update)
     if mode.endswith("graph"):
-        update = gciql.capture_cuda_graph(update, generator)
+        update = gciql.capture_cuda_graph(update, [generator])
     else:
         for _ in range(3):
             update()  # warm-up
@@ -126,7 +128,7 @@ if __name__ == "__main__":
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "env_name": args.env_name, "depth": args.depth,
               "hidden_dim": args.hidden_dim, "batch_size": args.batch_size}
-    dataset = synthetic_dataset(ogbench_data.get_spec(args.env_name), cli.states, cli.trajectory_length, device)
+    dataset = synthetic_dataset(args.env_name, cli.states, cli.trajectory_length, device)
     for mode in modes:
         for lam in (0.0, args.lambda_depth):
             try:

@@ -70,7 +70,7 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes, all_act
     for _ in range(fill_episodes):
         replay.add(*gcdqn.run_episode(network, env, args.depth, generator)[:3])
     lambda_depth = torch.full((), lam, device=device)
-    loss_sums = torch.zeros(len(gcdqn.LOSS_TERMS), device=device)
+    loss_sums = torch.zeros(len(gcdqn.LOSS_NAMES), device=device)
     update = gcdqn.make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums,
                                all_action_gradients=all_action_gradients)
     if mode in ("compile-graph", "autotune-graph"):

@@ -34,34 +34,24 @@ class DatasetSpec:
     obs_dim: int  # = goal dim
     action_dim: int
     episode_limit: int  # evaluation episode length (the env's TimeLimit)
-    alpha: float  # BC weight of the DDPG+BC actor loss
-    lambda_depth: float  # weight of the adjacent-depth KL
-    actor_p_curgoal: float
-    actor_p_trajgoal: float
-    actor_p_randomgoal: float
     actor_geom_sample: bool  # False: trajectory goals for the actor are uniform over the future
     gen_episodes: int  # reference number of train episodes when generating
     gen_episode_steps: int  # reference states per episode when generating
 
 
-# manipulation: actor goals are uniform future states of the trajectory; navigation (stitch): half random
-_MANIP = dict(family="manipulation", action_dim=5, alpha=1.0, actor_p_curgoal=0.0, actor_p_trajgoal=1.0,
-              actor_p_randomgoal=0.0, actor_geom_sample=False, gen_episodes=1000, gen_episode_steps=1001)
-_NAV = dict(family="navigation", actor_p_curgoal=0.0, actor_p_trajgoal=0.5, actor_p_randomgoal=0.5,
-            actor_geom_sample=False, gen_episodes=5000, gen_episode_steps=201)
+# The training hyperparameters of each dataset (the BC weight alpha, lambda_depth, the actor's goal probabilities)
+# live with GC-IQL: flexloop_gciql.DATASET_HYPERPARAMETERS. Actor trajectory goals are uniform over the future.
+_MANIP = dict(family="manipulation", action_dim=5, actor_geom_sample=False, gen_episodes=1000, gen_episode_steps=1001)
+_NAV = dict(family="navigation", actor_geom_sample=False, gen_episodes=5000, gen_episode_steps=201)
 DATASETS = {
-    "scene-play-v0": DatasetSpec(env_id="scene-v0", obs_dim=40, episode_limit=750, lambda_depth=0.05, **_MANIP),
-    "cube-double-play-v0": DatasetSpec(
-        env_id="cube-double-v0", obs_dim=37, episode_limit=500, lambda_depth=0.02, **_MANIP
-    ),
-    "puzzle-4x4-play-v0": DatasetSpec(
-        env_id="puzzle-4x4-v0", obs_dim=83, episode_limit=500, lambda_depth=0.2, **_MANIP
-    ),
+    "scene-play-v0": DatasetSpec(env_id="scene-v0", obs_dim=40, episode_limit=750, **_MANIP),
+    "cube-double-play-v0": DatasetSpec(env_id="cube-double-v0", obs_dim=37, episode_limit=500, **_MANIP),
+    "puzzle-4x4-play-v0": DatasetSpec(env_id="puzzle-4x4-v0", obs_dim=83, episode_limit=500, **_MANIP),
     "antmaze-medium-stitch-v0": DatasetSpec(
-        env_id="antmaze-medium-v0", obs_dim=29, action_dim=8, episode_limit=1000, alpha=0.3, lambda_depth=0.03, **_NAV
+        env_id="antmaze-medium-v0", obs_dim=29, action_dim=8, episode_limit=1000, **_NAV
     ),
     "pointmaze-large-stitch-v0": DatasetSpec(
-        env_id="pointmaze-large-v0", obs_dim=2, action_dim=2, episode_limit=1000, alpha=0.003, lambda_depth=0.3, **_NAV
+        env_id="pointmaze-large-v0", obs_dim=2, action_dim=2, episode_limit=1000, **_NAV
     ),
 }
 
@@ -154,8 +144,9 @@ class GCDataset:
         self.actor_geom_sample = actor_geom_sample
 
     @classmethod
-    def from_ogbench(cls, data, spec, device="cpu", gamma=GAMMA):
-        """Build from the dict that `ogbench.load_dataset(..., compact_dataset=True)` returns."""
+    def from_ogbench(cls, data, spec, device="cpu", gamma=GAMMA, actor_goals=(0.0, 1.0, 0.0)):
+        """Build from the dict that `ogbench.load_dataset(..., compact_dataset=True)` returns. actor_goals: the
+        probabilities of the current state, a future state of the trajectory and a random state as actor goal."""
         if "valids" not in data:
             raise ValueError("expected a compact ogbench dataset (with 'valids'); load it with compact_dataset=True")
         return cls(
@@ -164,9 +155,9 @@ class GCDataset:
             data["valids"],
             device=device,
             gamma=gamma,
-            actor_p_curgoal=spec.actor_p_curgoal,
-            actor_p_trajgoal=spec.actor_p_trajgoal,
-            actor_p_randomgoal=spec.actor_p_randomgoal,
+            actor_p_curgoal=actor_goals[0],
+            actor_p_trajgoal=actor_goals[1],
+            actor_p_randomgoal=actor_goals[2],
             actor_geom_sample=spec.actor_geom_sample,
         )
 
@@ -289,9 +280,11 @@ def _read_compact(path, spec, env_name):
 
 
 def load_dataset(
-    env_name, dataset_dir=None, dataset_path=None, device="cpu", with_val=False, download=True, gamma=GAMMA
+    env_name, dataset_dir=None, dataset_path=None, device="cpu", with_val=False, download=True, gamma=GAMMA,
+    actor_goals=(0.0, 1.0, 0.0),
 ):
-    """Load an OGBench dataset as a GCDataset on `device` (and its -val split when with_val=True).
+    """Load an OGBench dataset as a GCDataset on `device` (and its -val split when with_val=True). actor_goals:
+    P(current state, future state of the trajectory, random state) as the actor's goal (GC-IQL's per-dataset value).
 
     dataset_path: a local `<name>.npz` (its val file is `<name>-val.npz` beside it, ogbench's convention); no
     download. Otherwise files are looked up in dataset_dir (default ~/.ogbench/data) and, when missing and
@@ -331,10 +324,10 @@ def load_dataset(
             finally:
                 socket.setdefaulttimeout(old_timeout)
 
-    train = GCDataset.from_ogbench(_read_compact(train_path, spec, env_name), spec, device, gamma)
+    train = GCDataset.from_ogbench(_read_compact(train_path, spec, env_name), spec, device, gamma, actor_goals)
     if not with_val:
         return train
-    val = GCDataset.from_ogbench(_read_compact(val_path, spec, env_name), spec, device, gamma)
+    val = GCDataset.from_ogbench(_read_compact(val_path, spec, env_name), spec, device, gamma, actor_goals)
     return train, val
 
 

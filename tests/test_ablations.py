@@ -60,7 +60,9 @@ def loss_setup(**overrides):
 
 def terms_for(args, network, target_network, batch, phase="flexloop", lam=1.0, teacher=None):
     weights = torch.tensor(gcdqn.td_depth_weights(args.ablation if phase == "flexloop" else "none", args.depth))
-    return gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(lam), weights, teacher)
+    loss, terms = gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(lam), weights, teacher)
+    short = dict(zip(gcdqn.LOSS_NAMES, ("td", "depth_kl", "alpha", "entropy", "bellman")))
+    return {"loss": loss, **{short[name]: value for name, value in terms.items()}}
 
 
 def hand_td(q_per_depth, bootstrap_q, batch, depth):
@@ -246,7 +248,7 @@ def test_from_scratch_update_never_changes_or_copies_the_teacher():
     replay = gcdqn.TrajectoryReplay(8, 2, 6, "cpu")
     replay.add(torch.randint(0, 12, (8, 7, 36), dtype=torch.int8), torch.randint(0, 6, (8, 6), dtype=torch.int8),
                torch.full((8,), 6))
-    loss_sums = torch.zeros(len(gcdqn.LOSS_TERMS))
+    loss_sums = torch.zeros(len(gcdqn.LOSS_NAMES))
     update = gcdqn.make_update(args, network, target_network, optimizer, replay, torch.Generator().manual_seed(0),
                                torch.tensor(1.0), loss_sums, teacher=teacher)
     for _ in range(5):
@@ -256,7 +258,7 @@ def test_from_scratch_update_never_changes_or_copies_the_teacher():
         assert not torch.equal(network.state_dict()[name], value), name  # and not copied
         assert not torch.equal(network.state_dict()[name], student_before[name]), name  # while the student learnt
     assert all(p.grad is None for p in teacher.parameters())
-    assert loss_sums[gcdqn.LOSS_TERMS.index("bellman")] > 0
+    assert loss_sums[gcdqn.LOSS_NAMES.index("losses/bellman_loss")] > 0
 
 
 def test_from_scratch_run_starts_from_fresh_weights_and_skips_pretraining(tmp_path):
@@ -327,7 +329,7 @@ def test_gciql_final_target_and_lstm_backbone(tmp_path):
     final = torch.stack([gciql.IRUActor.divergence(policies[-1], policies[k]).mean() for k in range(3)]).mean()
     torch.testing.assert_close(gciql.flexloop_depth_loss(policies, "final"), final)
     args = gciql.Args(backbone="lstm", depth=3, hidden_dim=8)
-    agent = gciql.build_agent(args, "cpu")
+    agent = gciql.build_network(args, "cpu")
     assert all(isinstance(n, gciql.LSTM) for n in [agent.value, agent.critic, agent.actor.iru])
     obs = torch.randn(4, agent.actor.iru.embed.weight.shape[1] // 2)
     stacked = agent.actor.all_depths(obs, obs)
@@ -389,9 +391,10 @@ def test_taken_action_update_has_the_full_updates_loss_and_gradient_at_lambda_0(
     for all_actions in (True, False):
         network.zero_grad()
         weights = torch.tensor(gcdqn.td_depth_weights(args.ablation, args.depth))
-        terms = gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(0.0), weights,
-                                      all_action_gradients=all_actions)
-        terms["loss"].backward()
+        loss, terms = gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(0.0), weights,
+                                            all_action_gradients=all_actions)
+        loss.backward()
+        terms = {**terms, "loss": loss}
         gradients[all_actions] = ({k: v.detach() for k, v in terms.items()},
                                   {n: p.grad.clone() for n, p in network.named_parameters()})
     (full_terms, full_grads), (fast_terms, fast_grads) = gradients[True], gradients[False]
@@ -410,8 +413,9 @@ def test_taken_action_pass_differs_from_the_full_pass_once_the_kl_counts():
     grads = []
     for all_actions in (True, False):
         network.zero_grad()
-        gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(1.0), weights,
-                              all_action_gradients=all_actions)["loss"].backward()
+        loss, _ = gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(1.0), weights,
+                                        all_action_gradients=all_actions)
+        loss.backward()
         grads.append(network.gates.weight.grad.clone())
     assert not torch.allclose(grads[0], grads[1])
 

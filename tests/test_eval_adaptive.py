@@ -243,17 +243,16 @@ def test_bad_checkpoints(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ea.load_any_checkpoint(tmp_path / "missing.pt")
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a loadable FlexLoop checkpoint"):
+    with pytest.raises(ValueError, match="is a text file, not a FlexLoop checkpoint"):
         ea.load_any_checkpoint(tmp_path / "garbage.pt")
     torch.save({"model": {}}, tmp_path / "untagged.pt")
     with pytest.raises(ValueError, match="no 'algorithm' entry"):
         ea.load_any_checkpoint(tmp_path / "untagged.pt")
-    torch.save({"algorithm": "sac"}, tmp_path / "sac.pt")
-    with pytest.raises(ValueError, match="eval_adaptive.py knows"):
+    torch.save({"algorithm": "sac"}, tmp_path / "sac.pt")  # names no script: flexloop_sac, which nobody has
+    with pytest.raises(ModuleNotFoundError, match="flexloop_sac.py, which is neither next to its run nor on the"):
         ea.load_any_checkpoint(tmp_path / "sac.pt")
-    monkeypatch.setitem(ea.ADAPTERS, "nosuch", ea.BoxPickAdapter)
-    with pytest.raises(ModuleNotFoundError, match="flexloop_nosuch.py, which is not in this checkout"):
-        ea.import_script("nosuch", "x.pt")
+    with pytest.raises(ValueError, match="no evaluation for env 'CartPole-v1'"):
+        ea.adapter_for("CartPole-v1")
 
 
 # ----- smoke run -----

@@ -189,8 +189,8 @@ def test_iru_equations_against_hand_computation(variant):
             h = h + torch.tanh(c)
             out = (h if variant == "residual" else c) @ W["head.weight"] + W["head.bias"]
             s = net.advance(s)
-            torch.testing.assert_close(net.readout(s)[member], out)
-    torch.testing.assert_close(net(x), net.readout(s))
+            torch.testing.assert_close(net.output(s)[member], out)
+    torch.testing.assert_close(net(x), net.output(s))
 
 
 def test_actor_depth_protocol():
@@ -226,9 +226,9 @@ def test_each_loss_trains_only_its_own_network(data_dir):
     args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", depth=3))
     assert args.alpha == 0.003 and args.lambda_depth == 0.3  # pointmaze's values from REFERENCE.md §4
     dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False)
-    agent, target_critic = gciql.build_agent(args, "cpu"), gciql.build_agent(args, "cpu").critic
+    agent, target_critic = gciql.build_network(args, "cpu"), gciql.build_network(args, "cpu").critic
     batch = dataset.sample(32, torch.Generator().manual_seed(0))
-    loss, parts = gciql.gciql_losses(agent, target_critic, batch, args, torch.tensor(0.3))
+    loss, terms = gciql.flexloop_losses(agent, target_critic, batch, args, torch.tensor(0.3))
     grads = torch.autograd.grad(loss, list(agent.parameters()))
     grad = dict(zip([n for n, _ in agent.named_parameters()], grads))
 
@@ -245,7 +245,8 @@ def test_each_loss_trains_only_its_own_network(data_dir):
         for n, expected in zip(names, own):
             torch.testing.assert_close(grad[n], expected)
     assert all(grad[n].abs().sum() > 0 for n in grad if n.startswith("actor.iru.head"))
-    torch.testing.assert_close(parts[:2], torch.stack([value_loss, critic_loss]).detach())
+    torch.testing.assert_close(torch.stack([terms["losses/value_loss"], terms["losses/critic_loss"]]).detach(),
+                               torch.stack([value_loss, critic_loss]).detach())
 
 
 def test_iql_learns_goal_values(data_dir):
@@ -254,7 +255,7 @@ def test_iql_learns_goal_values(data_dir):
     torch.manual_seed(0)
     args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", hidden_dim=32, batch_size=128))
     dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False)
-    agent, target_critic = gciql.build_agent(args, "cpu"), gciql.build_agent(args, "cpu").critic
+    agent, target_critic = gciql.build_network(args, "cpu"), gciql.build_network(args, "cpu").critic
     target_critic.load_state_dict(agent.critic.state_dict())
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
     update = gciql.make_update(agent, target_critic, optimizer, dataset, replace(args, tau=0.05),
@@ -430,7 +431,7 @@ def test_bad_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         gciql.load_checkpoint(tmp_path / "missing.pt")
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="not a loadable FlexLoop checkpoint"):
+    with pytest.raises(ValueError, match="is a text file, not a FlexLoop checkpoint"):
         gciql.load_checkpoint(tmp_path / "junk.pt")
     torch.save({"format": gciql.CHECKPOINT_FORMAT, "algorithm": "gcdqn", "args": {}, "env_id": "BoxPick-Exact-4-v0",
                 "depth": 5, "model": {}}, tmp_path / "dqn.pt")

@@ -266,7 +266,7 @@ def test_cli_two_phase_run_checkpoints_and_resume(tmp_path):
 
     pretrained = gcppo.load_checkpoint(run_dir / "pretrained.pt")
     final = gcppo.load_checkpoint(run_dir / "final.pt")
-    assert final["global_step"] == 256 and final["interval"] == 4 and final["phase"] == "flexloop"
+    assert final["global_step"] == 256 and final["iteration"] == 4 and final["phase"] == "flexloop"
     assert pretrained["teacher_model"] is None
     for name, tensor in pretrained["model"].items():  # the teacher is the pretrained model at the switch
         assert torch.equal(final["teacher_model"][name], tensor)
@@ -289,7 +289,7 @@ def test_iru_pretrain_then_flexloop_uses_teacher_values(tmp_path):
     pretrain = iru_pretrain.pretrain_args(tiny_args(tmp_path, lambda_depth=1.0, init_checkpoint="x.pt"))
     assert (pretrain.total_timesteps, pretrain.pretrain_timesteps, pretrain.lambda_depth) == (0, 128, 0.0)
     assert pretrain.init_checkpoint is None
-    default, _ = iru_pretrain.ALGORITHMS["gcppo"]
+    default = iru_pretrain.pretrain_default(gcppo)
     run_dir = iru_pretrain.main("gcppo", tiny_args(tmp_path, exp_name=default.exp_name))
     assert run_dir.name.split("__")[1] == "iru_pretrain_gcppo"
     assert {r["phase"] for r in read_metrics(run_dir)} == {"pretrain"}
@@ -472,7 +472,7 @@ def test_timeout_bootstrap_value_or_zero(tmp_path):
 def test_reference_ppo_choices_smoke_run_and_cli(spied_runs):
     run_dir = spied_runs["reference"]["run_dir"]
     final = gcppo.load_checkpoint(run_dir / "final.pt")
-    assert final["interval"] == SPY_ITERATIONS
+    assert final["iteration"] == SPY_ITERATIONS
     assert {k: final["args"][k] for k in REFERENCE_CHOICES} == REFERENCE_CHOICES  # a resume keeps them
     records = [r for r in read_metrics(run_dir) if "losses/policy_loss" in r]
     assert len(records) == SPY_ITERATIONS
@@ -481,7 +481,7 @@ def test_reference_ppo_choices_smoke_run_and_cli(spied_runs):
 
     flags = ["--hard-reset-every", "3", "--advantage-norm", "rollout", "--minibatch-layout", "time-rows",
              "--obs-norm-update", "before-epochs"]
-    parsed = gcppo.tyro.cli(gcppo.Args, args=flags)
+    parsed = gcppo.parse_args(flags)
     assert (parsed.hard_reset_every, parsed.advantage_norm, parsed.minibatch_layout, parsed.obs_norm_update) == \
         (3, "rollout", "time-rows", "before-epochs")
     defaults = gcppo.Args()
@@ -514,9 +514,9 @@ def test_bad_flags(tmp_path, overrides, message):
 def test_bad_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         gcppo.load_checkpoint(tmp_path / "missing.pt")
-    (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match="corrupt"):
-        gcppo.load_checkpoint(tmp_path / "corrupt.pt")
+    (tmp_path / "notes.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="is a text file, not a FlexLoop checkpoint"):
+        gcppo.load_checkpoint(tmp_path / "notes.pt")
     other = {"format": gcppo.CHECKPOINT_FORMAT, "algorithm": "gcdqn", "args": {}, "env_id": "BoxPick-Exact-4-v0",
              "depth": 5, "model": {}}
     torch.save(other, tmp_path / "gcdqn.pt")

@@ -136,7 +136,10 @@ def test_table_matches_eval_envs():
 
 
 def test_sampler_on_generated_data(data_dir):
-    ds = od.load_dataset(PM, dataset_dir=str(data_dir), download=False)
+    from flexloop_gciql import DATASET_HYPERPARAMETERS  # the actor's goal probabilities live with GC-IQL
+
+    ds = od.load_dataset(PM, dataset_dir=str(data_dir), download=False,
+                         actor_goals=DATASET_HYPERPARAMETERS[PM].actor_goals)
     n = 200_000
     b = ds.sample(n, _gen(0), return_goal_kind=True)
     idx, vg, ag = b["idxs"], b["value_goal_idxs"], b["actor_goal_idxs"]
@@ -199,12 +202,14 @@ def test_value_offsets_are_geometric_in_gamma():
 
 
 def test_actor_trajectory_goals_uniform_for_manipulation():
-    spec = od.DATASETS[CUBE]
+    from flexloop_gciql import DATASET_HYPERPARAMETERS  # the actor's goal probabilities live with GC-IQL
+
+    spec, (p_cur, p_traj, p_random) = od.DATASETS[CUBE], DATASET_HYPERPARAMETERS[CUBE].actor_goals
     ds = _synthetic(
         [2000, 3000, 1001],
-        actor_p_curgoal=spec.actor_p_curgoal,
-        actor_p_trajgoal=spec.actor_p_trajgoal,
-        actor_p_randomgoal=spec.actor_p_randomgoal,
+        actor_p_curgoal=p_cur,
+        actor_p_trajgoal=p_traj,
+        actor_p_randomgoal=p_random,
         actor_geom_sample=spec.actor_geom_sample,
     )
     b = ds.sample(200_000, _gen(2), return_goal_kind=True)

@@ -1,0 +1,305 @@
+"""One layout for the three scripts (issue 17) and the first hour of a user (issue 18): the run plumbing is the same
+in every script, a copied and changed script runs end to end and eval_adaptive.py evaluates it with the copy's own
+network, a checkpoint never chooses which code runs, old checkpoints still load, Ctrl-C saves and resumes, and
+errors end in one line without a traceback."""
+
+import dataclasses
+import inspect
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import eval_adaptive as ea
+import flexloop_gcdqn as gcdqn
+import flexloop_gciql as gciql
+import flexloop_gcppo as gcppo
+import iru_pretrain
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {"gcdqn": gcdqn, "gcppo": gcppo, "gciql": gciql}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
+ENV.pop("FLEXLOOP_DEBUG", None)
+TINY_DQN = dict(num_envs=8, batch_size=8, updates_per_rollout=2, intervals_per_epoch=2, pretrain_epochs=1,
+                num_epochs=1, hidden_dim=16, eval_every=2, num_eval_envs=4, log_every=1, save_every=1,
+                episode_length=10, replay_episodes=2, cuda=False)
+
+
+def flags(values):
+    out = []
+    for key, value in values.items():
+        name = key.replace("_", "-")
+        out += ([f"--{name}" if value else f"--no-{name}"] if isinstance(value, bool) else [f"--{name}", str(value)])
+    return out
+
+
+def run(command, cwd=ROOT, timeout=180, env=ENV):
+    return subprocess.run([sys.executable, *map(str, command)], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def dqn_run(tmp_path_factory):
+    """A tiny GC-DQN run: pretrained.pt, latest.pt and final.pt."""
+    return gcdqn.train(gcdqn.Args(**TINY_DQN, run_dir=str(tmp_path_factory.mktemp("runs"))))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The layout
+# ---------------------------------------------------------------------------------------------------------
+PLUMBING = re.compile(r"^# --- run plumbing: identical in every flexloop_\*\.py ---\n.*?"
+                      r"^# --- end of run plumbing ---$", re.MULTILINE | re.DOTALL)
+
+
+def test_the_run_plumbing_is_the_same_in_every_script():
+    blocks = {name: PLUMBING.findall(Path(module.__file__).read_text()) for name, module in SCRIPTS.items()}
+    assert all(len(found) == 1 for found in blocks.values()), {name: len(found) for name, found in blocks.items()}
+    gcdqn_block = blocks["gcdqn"][0]
+    assert 'FLEXLOOP_SCRIPT = "flexloop-script-v1"' in gcdqn_block and "def capture_cuda_graph(fn, generators)" in \
+        gcdqn_block
+    for name, (block,) in blocks.items():
+        assert block == gcdqn_block, f"flexloop_{name}.py's run plumbing differs from flexloop_gcdqn.py's"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_sections_come_in_design_md_order_and_train_is_short(name):
+    source = Path(SCRIPTS[name].__file__).read_text()
+    marks = ["\nclass ExperimentArgs:", "\nclass Args(", "\ndef check_args(", "\n# ALGO LOGIC: network\n",
+             "\ndef build_network(", "\ndef network_from_checkpoint(", "\n# ALGO LOGIC: losses\n", "\nLOSS_NAMES = (",
+             "\ndef flexloop_losses(", "\n# ALGO LOGIC: data\n", "\n# Collection and per-depth evaluation",
+             "\ndef evaluate(", "\n# --- run plumbing: identical", "\n# --- end of run plumbing ---", "\ndef train(",
+             '\nif __name__ == "__main__":']
+    positions = [source.find(mark) for mark in marks]
+    assert all(p >= 0 for p in positions), [m for m, p in zip(marks, positions) if p < 0]
+    assert positions == sorted(positions), "sections out of DESIGN.md's order"
+    assert len(inspect.getsource(SCRIPTS[name].train).splitlines()) <= 80
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_loss_terms_are_keyed_by_loss_names(name):
+    module = SCRIPTS[name]
+    assert len(set(module.LOSS_NAMES)) == len(module.LOSS_NAMES) and "losses/depth_kl" in module.LOSS_NAMES
+    assert 'return loss, dict(zip(LOSS_NAMES,' in inspect.getsource(module.flexloop_losses)
+
+
+def test_help_shows_the_groups_and_the_flags_stay_flat():
+    out = run(["flexloop_gcppo.py", "--help"])
+    assert out.returncode == 0, out.stderr
+    for group in ["experiment", "environment", "network", "algorithm", "flexloop", "evaluation", "performance"]:
+        assert f"{group} options" in out.stdout
+    args = gcdqn.parse_args(["--lambda-depth", "0.3", "--num_envs", "16", "--no-cuda", "--wandb-tags", "a", "b"])
+    assert isinstance(args, gcdqn.Args) and (args.lambda_depth, args.num_envs, args.cuda) == (0.3, 16, False)
+    assert args.wandb_tags == ("a", "b") and args.exp_name == "flexloop_gcdqn"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Copy and modify: the copy's checkpoints are rebuilt by the copy, and a checkpoint never chooses the code
+# ---------------------------------------------------------------------------------------------------------
+COPY_CHANGE = '''
+# The copy's change: its Q-values read a zeroed feature, so every state gets the same Q-values, the head's bias.
+_readout = IRUQNetwork.readout
+
+
+def zeroed_readout(self, state):
+    return 0.0 * _readout(self, state)
+
+
+IRUQNetwork.readout = zeroed_readout
+'''
+
+
+def test_a_copied_and_changed_script_runs_end_to_end_and_is_evaluated_with_its_own_network(tmp_path):
+    source = (ROOT / "flexloop_gcdqn.py").read_text()
+    main = '\nif __name__ == "__main__":'
+    assert source.count(main) == 1 and source.count('\nALGORITHM = "gcdqn"\n') == 1
+    source = source.replace('\nALGORITHM = "gcdqn"\n', '\nALGORITHM = "my_gcdqn"\n')  # renamed too: still evaluated
+    (tmp_path / "my_gcdqn.py").write_text(source.replace(main, COPY_CHANGE + main))
+
+    trained = run(["my_gcdqn.py", *flags(TINY_DQN), "--run-dir", "runs"], cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name.split("__")[1] == "my_gcdqn"  # exp_name defaults to the script's name
+    final = torch.load(run_dir / "final.pt", weights_only=True)
+    assert final["script"] == "my_gcdqn" and final["algorithm"] == "my_gcdqn"
+
+    module, checkpoint = ea.load_any_checkpoint(run_dir / "final.pt")  # found next to the run, not on the path
+    assert Path(module.__file__).resolve() == (tmp_path / "my_gcdqn.py").resolve()
+    network, _ = module.network_from_checkpoint(checkpoint)
+    obs = torch.randint(0, 12, (2, 36), generator=torch.Generator().manual_seed(0))
+    goal = torch.randint(0, 12, (2, 36), generator=torch.Generator().manual_seed(1))
+    copy_logits = network.decide(network.advance(network.start(obs, goal)))
+    torch.testing.assert_close(copy_logits[0], copy_logits[1])  # the copy's readout: one answer for every state
+    original, _ = gcdqn.network_from_checkpoint({**checkpoint, "args": {**checkpoint["args"],
+                                                                       "exp_name": "flexloop_gcdqn"}})
+    original_logits = original.decide(original.advance(original.start(obs, goal)))
+    assert not torch.allclose(original_logits[0], original_logits[1])  # the original's differ with the state
+
+    evaluated = run(["eval_adaptive.py", "--no-cuda", "--checkpoints", run_dir / "final.pt", "--num-eval-envs", "4",
+                     "--eps", "0", "0.01", "--out-dir", tmp_path / "out"], timeout=300)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert f"network from {(tmp_path / 'my_gcdqn.py').resolve()}" in evaluated.stdout
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["checkpoints"][0]["algorithm"] == "my_gcdqn"
+
+    pretrained = iru_pretrain.main(tmp_path / "my_gcdqn.py", module.Args(**{**TINY_DQN, "run_dir": str(tmp_path)}))
+    assert torch.load(pretrained / "final.pt", weights_only=True)["script"] == "my_gcdqn"
+
+
+def test_a_checkpoint_naming_a_module_that_is_not_a_flexloop_script_is_refused_before_it_is_imported(tmp_path,
+                                                                                                    dqn_run):
+    imported = tmp_path / "imported.txt"
+    (tmp_path / "not_flexloop.py").write_text(f"open({str(imported)!r}, 'w').write('this ran')\n"
+                                              "def network_from_checkpoint(checkpoint, device='cpu'):\n"
+                                              "    raise SystemExit('this ran too')\n")
+    run_dir = tmp_path / "runs" / "stranger"
+    run_dir.mkdir(parents=True)
+    checkpoint = torch.load(dqn_run / "final.pt", weights_only=True)
+    for name, message in [("not_flexloop", "is not a FlexLoop script"), ("json", "is not a FlexLoop script"),
+                          ("../not_flexloop", "not a Python module name")]:
+        torch.save({**checkpoint, "script": name}, run_dir / f"{len(name)}.pt")
+        with pytest.raises(ValueError, match=message):
+            ea.load_any_checkpoint(run_dir / f"{len(name)}.pt")
+    with pytest.raises(ValueError, match="is not a FlexLoop script"):
+        ea.load_any_checkpoint(dqn_run / "final.pt", script=tmp_path / "not_flexloop.py")  # --script is checked too
+    refused = run(["iru_pretrain.py", tmp_path / "not_flexloop.py", "--no-cuda"])
+    assert refused.returncode == 1 and "is not a FlexLoop script" in refused.stderr
+    assert not imported.exists() and "not_flexloop" not in sys.modules
+
+
+def test_old_checkpoints_still_load_resume_and_evaluate(tmp_path, dqn_run):
+    """A checkpoint in the first format, as the scripts wrote it before the layout change: "interval" for the
+    iteration count, no "script", and args without the flags added since."""
+    new = torch.load(dqn_run / "pretrained.pt", weights_only=True)
+    old = {key: value for key, value in new.items() if key not in ("script", "iteration", "iteration_updates")}
+    old.update(format="flexloop-checkpoint-v1", interval=new["iteration"],
+               args={k: v for k, v in new["args"].items() if k not in ("save_every_minutes", "debug")},
+               metrics={k.replace("charts/iteration", "charts/interval"): v for k, v in new["metrics"].items()})
+    run_dir = tmp_path / "old_run"
+    run_dir.mkdir()
+    torch.save(old, run_dir / "latest.pt")
+
+    loaded = gcdqn.load_checkpoint(run_dir / "latest.pt")
+    assert (loaded["iteration"], loaded["script"], loaded["iteration_updates"]) == (2, "flexloop_gcdqn", 0)
+    gcdqn.train(gcdqn.Args(resume=str(run_dir / "latest.pt")))
+    final = gcdqn.load_checkpoint(run_dir / "final.pt")
+    assert (final["iteration"], final["updates"], final["phase"]) == (4, 8, "flexloop")
+    module, _ = ea.load_any_checkpoint(run_dir / "latest.pt")
+    assert module is gcdqn
+    assert gciql.upgrade_checkpoint({"format": "flexloop-checkpoint-v1", "algorithm": "gciql", "global_step": 7,
+                                     "updates": 7})["iteration"] == 7  # GC-IQL counted iterations as global_step
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stopping and resuming
+# ---------------------------------------------------------------------------------------------------------
+def test_ctrl_c_saves_latest_prints_the_resume_command_and_the_run_resumes_to_completion(tmp_path):
+    """Ctrl-C (SIGINT) mid-iteration: the run stops within an update, writes latest.pt as SIGTERM does, prints how
+    to resume and exits 0 without a traceback; the printed command finishes the run with every planned update.
+    --save-every-minutes writes latest.pt between updates meanwhile."""
+    values = {**TINY_DQN, "updates_per_rollout": 400, "pretrain_epochs": 1, "num_epochs": 0, "eval_every": 100,
+              "save_every": 100, "save_every_minutes": 0.002}  # 2 iterations of 400 updates; a timer save every 0.12 s
+    log_path = tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        command = [sys.executable, "flexloop_gcdqn.py", *flags(values), "--run-dir", str(tmp_path / "runs")]
+        process = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while not list((tmp_path / "runs").glob("*/latest.pt")):  # the timer's first save, within iteration 1
+            assert process.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        timer_save = torch.load(next((tmp_path / "runs").glob("*/latest.pt")), weights_only=True)
+        assert timer_save["iteration"] == 0 and timer_save["iteration_updates"] > 0
+        process.send_signal(signal.SIGINT)
+        start = time.time()
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+        assert time.time() - start < 10  # within an update or so, not at the end of the iteration
+    output = log_path.read_text()
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert "running on the CPU" in output and "Ctrl-C: saved" in output
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    stopped = gcdqn.load_checkpoint(run_dir / "latest.pt")
+    assert stopped["iteration"] < 2 and not (run_dir / "final.pt").exists()
+    command = re.search(r"resume with\n\s+python (.+)", output).group(1)
+    assert command.endswith(f"--resume {run_dir / 'latest.pt'}")
+
+    resumed = run(shlex.split(command), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final = gcdqn.load_checkpoint(run_dir / "final.pt")
+    assert (final["iteration"], final["updates"]) == (2, 800)  # every planned update, none twice
+
+
+def test_the_device_is_named_and_gpu_sized_flags_on_a_cpu_point_to_the_readme(capsys):
+    assert gcdqn.pick_device(gcdqn.Args(cuda=False)).type == "cpu"
+    out = capsys.readouterr().out
+    assert "running on the CPU" in out and "--num-envs 1024" in out and 'README.md, "On a CPU"' in out
+    assert "## On a CPU" in (ROOT / "README.md").read_text()
+    gcdqn.pick_device(gcdqn.Args(**TINY_DQN))
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_the_projected_time_is_printed_after_the_first_measured_iterations(tmp_path, capsys):
+    gcdqn.train(gcdqn.Args(**TINY_DQN, run_dir=str(tmp_path)))
+    assert re.search(r"projected: .+ for the whole run, .+ left \(.+ updates/s on cpu\)", capsys.readouterr().out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors and help: one line, no traceback, unless --debug
+# ---------------------------------------------------------------------------------------------------------
+class CallsPrint:
+    def __reduce__(self):
+        return print, ("this ran",)
+
+
+def test_errors_raised_on_purpose_are_one_line_and_debug_shows_the_traceback(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    torch.save({"format": gcdqn.CHECKPOINT_FORMAT, "model": {"w": CallsPrint()}}, tmp_path / "hostile.pt")
+    cases = [(["flexloop_gcdqn.py", "--env-id", "Nope-v0"], "--env-id 'Nope-v0' is not a BoxPick env"),
+             (["flexloop_gcppo.py", "--depth", "1"], "--depth must be at least 2"),
+             (["flexloop_gcdqn.py", "--resume", tmp_path / "notes.txt"], "is a text file, not a FlexLoop checkpoint"),
+             (["flexloop_gcdqn.py", "--init-checkpoint", tmp_path / "hostile.pt", "--no-cuda"],
+              "because it can run code when loaded"),
+             (["eval_adaptive.py", "--checkpoints", tmp_path / "missing.pt", "--no-cuda"], "does not exist")]
+    for command, message in cases:
+        out = run(command)
+        assert out.returncode == 1, (command, out.stdout, out.stderr)
+        assert message in out.stderr and "Traceback" not in out.stderr, (command, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "this ran" not in out.stdout and "Re-running" not in out.stderr and "weights_only" not in out.stderr
+    debug = run(["flexloop_gcdqn.py", "--env-id", "Nope-v0", "--debug"])
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+    debug = run(["flexloop_gcdqn.py", "--env-id", "Nope-v0"], env={**ENV, "FLEXLOOP_DEBUG": "1"})
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_iru_pretrain_help_exits_0_and_shows_the_values_it_really_uses():
+    out = run(["iru_pretrain.py", "--help"])
+    assert out.returncode == 0 and "gcdqn" in out.stdout and "PATH.py" in out.stdout
+    out = run(["iru_pretrain.py", "gcdqn", "--help"])
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"--lambda-depth FLOAT\s+weight of the adjacent-depth KL.*\(default: 0\.0\)", out.stdout)
+    assert re.search(r"--num-epochs INT\s+FlexLoop post-training epochs \(default: 0\)", out.stdout)
+    assert "(default: iru_pretrain_gcdqn)" in out.stdout
+    refused = run(["iru_pretrain.py", "gcdqn", "--num-epochs", "3"])
+    assert refused.returncode == 1 and "iru_pretrain.py fixes --num-epochs" in refused.stderr
+    assert iru_pretrain.pretrain_default(gciql).lambda_depth == 0.0
+    assert dataclasses.asdict(iru_pretrain.pretrain_args(gcppo.Args()))["total_timesteps"] == 0
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("carry/*/latest.pt")) or [None])
+def test_a_carried_long_run_checkpoint_of_the_first_format_resumes(path):
+    """runs.md's long runs were started before the one layout: their carried latest.pt must still resume."""
+    if path is None:
+        pytest.skip("no carried checkpoint in carry/")
+    checkpoint = gcdqn.load_checkpoint(path)
+    args = gcdqn.resumed_args(checkpoint, gcdqn.Args(resume=str(path)))
+    network = gcdqn.build_network(args, "cpu")
+    network.load_state_dict(checkpoint["model"])
+    torch.optim.Adam(network.parameters()).load_state_dict(checkpoint["optimizer"])
+    assert checkpoint["iteration"] > 0 and checkpoint["script"] == "flexloop_gcdqn"
