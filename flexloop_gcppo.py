@@ -96,6 +96,10 @@ class NetworkArgs:
     """iru: the IRU cell; lstm: an LSTM cell unrolled over depth (the paper's backbone ablation, §5.4)"""
     hidden_dim: int = 64
     """IRU width d of the trunk that the actor and the critic share"""
+    init: Literal["cleanrl", "flax"] = "cleanrl"
+    """cleanrl: PyTorch's Linear init, orthogonal heads at 0.01 (actor) and 1.0 (critic) (ours); flax: flax's
+    defaults, lecun_normal kernels and zero biases everywhere (the authors' lightsout/models/ppo.py). Both set
+    the forget-gate bias to +1"""
 
 
 @dataclass
@@ -145,6 +149,8 @@ class AlgorithmArgs:
     """value loss coefficient (CleanRL's default; REFERENCE.md gives none)"""
     max_grad_norm: float = 0.5
     """gradient clipping norm (CleanRL's default; REFERENCE.md gives none)"""
+    adam_eps: float = 1e-5
+    """Adam's epsilon (CleanRL's 1e-5, ours; the authors' code uses optax's default, 1e-8)"""
     obs_clip: float = 10.0
     """normalised inputs are clipped to [-obs_clip, obs_clip]"""
     gamma: float = 0.99
@@ -215,7 +221,8 @@ def check_args(args: Args):
     if args.env_id != envs.LIGHTSOUT_ID:
         raise ValueError(f"--env-id {args.env_id!r} is not supported; GC-PPO runs on {envs.LIGHTSOUT_ID}")
     for name in ["num_envs", "num_steps", "num_minibatches", "update_epochs", "hidden_dim", "num_eval_envs",
-                 "eval_every", "log_every", "save_every", "max_episode_steps", "learning_rate", "clip_coef"]:
+                 "eval_every", "log_every", "save_every", "max_episode_steps", "learning_rate", "clip_coef",
+                 "adam_eps"]:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     low, high = SPLITS["train"]
@@ -396,10 +403,27 @@ class LSTMActorCritic(IRUActorCritic):
         return x_emb, c, h
 
 
+def init_like_flax(network):
+    """flax.linen's default init, as the authors' code leaves it: every Linear kernel lecun_normal (a normal of
+    variance 1 / fan_in truncated at 2 standard deviations), every bias 0; then the forget-gate bias +1 again."""
+    with torch.no_grad():
+        for layer in network.modules():
+            if isinstance(layer, nn.Linear):
+                std = (1 / layer.in_features) ** 0.5 / 0.87962566103423978  # flax's truncation correction
+                nn.init.trunc_normal_(layer.weight, std=std, a=-2 * std, b=2 * std)
+                nn.init.zeros_(layer.bias)
+        forget = slice(network.hidden_dim, 2 * network.hidden_dim) if isinstance(network, LSTMActorCritic) \
+            else slice(0, network.hidden_dim)
+        network.gates.bias[forget] = 1.0
+    return network
+
+
 def build_network(args: Args, device):
     if args.backbone == "lstm":
-        return LSTMActorCritic(args.depth, args.hidden_dim, args.obs_clip).to(device)
-    return IRUActorCritic(args.depth, args.hidden_dim, args.iru_variant, args.obs_clip).to(device)
+        network = LSTMActorCritic(args.depth, args.hidden_dim, args.obs_clip)
+    else:
+        network = IRUActorCritic(args.depth, args.hidden_dim, args.iru_variant, args.obs_clip)
+    return (init_like_flax(network) if args.init == "flax" else network).to(device)
 
 
 def network_from_checkpoint(checkpoint, device="cpu"):
@@ -1191,7 +1215,7 @@ def train(args: Args):
     # The teacher of the FlexLoop phase's value targets: the --init-checkpoint model, else made at the switch.
     has_teacher = run.init is not None or (run.checkpoint or {}).get("teacher_model") is not None
     teacher = frozen_copy(network) if has_teacher else None  # a resumed run's is loaded into it
-    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, eps=1e-5,
+    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, eps=args.adam_eps,
                                  capturable=device.type == "cuda")
     buffers = make_rollout_buffers(args.num_steps, args.num_envs, device)
     lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases

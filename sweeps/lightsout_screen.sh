@@ -23,6 +23,10 @@ declare -A VARIANT_FLAGS=(
   [reference-timeout]="--hard-reset-every 3 --advantage-norm rollout --minibatch-layout time-rows --obs-norm-update before-epochs --timeout-bootstrap zero"
   # the authors' PPO loss: unclipped value loss, no gradient clipping (issue 16, item 3)
   [ref-loss]="--no-clip-vloss --max-grad-norm inf"
+  # the authors' initialisation (flax defaults) and Adam epsilon (issue 16, item 3)
+  [flax-init]="--init flax --adam-eps 1e-8"
+  # the authors' choice wherever ours showed no gain in the first screen (README, LightsOut): the candidate defaults
+  [candidate]="--hard-reset-every 3 --advantage-norm rollout --minibatch-layout time-rows --init flax --adam-eps 1e-8"
 )
 
 if [ $# -lt 2 ]; then

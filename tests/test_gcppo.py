@@ -545,3 +545,41 @@ def test_training_solves_one_press_goals(tmp_path):
     after = gcppo.evaluate(network, easy, seed=123)["eval/train/success_depth_3"].item()
     assert before < 0.12
     assert after > before + 0.15, (before, after)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The authors' initialisation and Adam epsilon (issue 16, item 3)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backbone", ["iru", "lstm"])
+def test_flax_init_is_lecun_normal_kernels_zero_biases_and_forget_bias_one(backbone):
+    torch.manual_seed(0)
+    args = gcppo.Args(init="flax", backbone=backbone, hidden_dim=256)
+    network = gcppo.build_network(args, "cpu")
+    d = args.hidden_dim
+    for name, layer in [("embed", network.embed), ("gates", network.gates), ("actor", network.actor),
+                        ("critic", network.critic)]:
+        std = (1 / layer.in_features) ** 0.5
+        weight = layer.weight.detach()
+        assert weight.abs().max() <= 2 * std / 0.87962566103423978 + 1e-6, name  # truncated at 2 sigma
+        if weight.numel() > 1000:  # enough draws to check the variance: lecun's 1 / fan_in
+            assert abs(weight.std().item() / std - 1) < 0.05, name
+    forget = slice(d, 2 * d) if backbone == "lstm" else slice(0, d)
+    bias = network.gates.bias.detach().clone()
+    assert torch.equal(bias[forget], torch.ones(d))
+    bias[forget] = 0
+    assert not bias.any() and not network.embed.bias.any() and not network.actor.bias.any()
+    # Ours: the actor's orthogonal init at gain 0.01 gives a nearly uniform first policy; flax's does not.
+    ours = gcppo.build_network(gcppo.Args(backbone=backbone, hidden_dim=256), "cpu")
+    assert ours.actor.weight.abs().max() < 0.02 < network.actor.weight.abs().max()
+
+
+def test_init_and_adam_eps_reach_the_run_and_its_checkpoint(tmp_path):
+    run_dir = gcppo.train(tiny_args(tmp_path, init="flax", adam_eps=1e-8))
+    final = gcppo.load_checkpoint(run_dir / "final.pt")
+    assert final["args"]["init"] == "flax"
+    assert all(group["eps"] == 1e-8 for group in final["optimizer"]["param_groups"])
+    parsed = gcppo.parse_args(["--init", "flax", "--adam-eps", "1e-8"])
+    assert (parsed.init, parsed.adam_eps) == ("flax", 1e-8)
+    assert (gcppo.Args().init, gcppo.Args().adam_eps) == ("cleanrl", 1e-5)  # defaults unchanged until screened
+    with pytest.raises(ValueError, match="--adam-eps must be positive"):
+        gcppo.check_args(gcppo.Args(adam_eps=0.0))
