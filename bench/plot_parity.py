@@ -1,5 +1,6 @@
-"""Overlay the per-depth success curves of runs with the same seed and protocol: the learning-parity figure that
-a change to GC-DQN's numerics must pass (issue 14). Reads each run's metrics.jsonl.
+"""Per-depth success curves of one or more runs from their metrics.jsonl: the learning-parity figure that a change
+to GC-DQN's numerics must pass (issue 14, runs with the same seed and protocol overlaid), and the learning curves
+of long runs beside the paper's final values (--paper).
 
     python bench/plot_parity.py --runs runs/old/metrics.jsonl runs/new/metrics.jsonl --labels before after \
         --out docs/gcdqn_parity.png
@@ -32,6 +33,8 @@ def main():
     parser.add_argument("--labels", nargs="+", required=True)
     parser.add_argument("--updates-per-step", type=float, default=1000 / (1024 * 100),
                         help="updates per global_step (env step); GC-DQN's default: 1,000 updates per 102,400 steps")
+    parser.add_argument("--paper", type=float, nargs=2, metavar=("TRAIN", "UNSEEN"),
+                        help="the paper's full-depth success on each split, drawn as dashed lines")
     parser.add_argument("--title", default="")
     parser.add_argument("--out", required=True)
     cli = parser.parse_args()
@@ -48,6 +51,9 @@ def main():
                 axis.plot(updates, [r[f"eval/{split}/success_depth_{k}"] for r in records], style, marker="o",
                           markersize=3, color=colours[k - 1], label=f"{label}, depth {k}" if k in (depth - 1, depth)
                           else None)
+        if cli.paper:
+            axis.axhline(cli.paper[split == "unseen"], color="black", linestyle="--", linewidth=1,
+                         label="paper, full depth" if split == "unseen" else None)
         axis.set_xlabel("updates (thousands)")
         axis.set_title(f"{split} tasks")
         axis.grid(alpha=0.3)
