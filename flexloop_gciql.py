@@ -168,6 +168,9 @@ class PerformanceArgs:
     """torch.compile the losses (CUDA only: on CPU compiling costs more than it saves)"""
     cuda_graph: bool = True
     """capture one update (sampling included) in a CUDA graph and replay it (CUDA only)"""
+    bf16: bool = False
+    """run the update's network passes under bf16 autocast, every head in float32 (faster on a GPU; not yet shown
+    to learn as well, so off by default)"""
 
 
 @dataclass
@@ -310,8 +313,11 @@ class IRU(nn.Module):
         return h if self.variant == "residual" else c
 
     def output(self, state):
-        """The head's output at the current depth, (members, rows, out_dim)."""
-        return self.head(self.readout(state))
+        """The head's output at the current depth, (members, rows, out_dim). In float32 also under --bf16: V, Q and
+        the actor's mean feed targets, a scale-free Q ratio and a log-likelihood, where bf16's 3 digits would show."""
+        readout = self.readout(state)
+        with torch.autocast(readout.device.type, enabled=False):
+            return self.head(readout.float())
 
     def forward(self, x):
         """The full-depth output, (members, rows, out_dim)."""
@@ -528,13 +534,15 @@ def make_update(agent, target_critic, optimizer, dataset, args, generator, lambd
                 compile_losses=False):
     """One update, all on the device with fixed shapes and no host sync (so it can be captured in a CUDA graph):
     sample a batch, the losses, Adam, Polyak averaging of the target critic; the loss parts add to loss_sums.
-    lambda_depth is a 0-d tensor, so one captured graph serves both phases."""
+    lambda_depth is a 0-d tensor, so one captured graph serves both phases. With --bf16 the losses' network passes
+    run under bf16 autocast; the backward pass runs outside it, as torch.autocast advises."""
     losses = torch.compile(flexloop_losses) if compile_losses else flexloop_losses
     critic_params, target_params = list(agent.critic.parameters()), list(target_critic.parameters())
 
     def update():
         batch = dataset.sample(args.batch_size, generator)
-        loss, terms = losses(agent, target_critic, batch, args, lambda_depth)
+        with torch.autocast(batch["observations"].device.type, torch.bfloat16, enabled=args.bf16):
+            loss, terms = losses(agent, target_critic, batch, args, lambda_depth)
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
         optimizer.step()

@@ -118,16 +118,18 @@ if __name__ == "__main__":
     parser.add_argument("--eval-episodes", type=int, default=2, help="per task and depth; 0 skips evaluation")
     parser.add_argument("--eval-envs", type=int, default=50)
     parser.add_argument("--eval-async", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--bf16", action="store_true", help="the updates' network passes under bf16 autocast")
     cli = parser.parse_args()
     device = torch.device(cli.device)
     torch.backends.cuda.matmul.allow_tf32 = True
     args = gciql.resolve_dataset_defaults(dataclasses.replace(
-        gciql.Args(), env_name=cli.env_name, batch_size=cli.batch_size, depth=cli.depth, hidden_dim=cli.hidden_dim))
+        gciql.Args(), env_name=cli.env_name, batch_size=cli.batch_size, depth=cli.depth, hidden_dim=cli.hidden_dim,
+        bf16=cli.bf16))
     modes = cli.modes or (["eager", "graph", "compile-graph", "compile-update-graph"] if device.type == "cuda"
                           else ["eager"])
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "env_name": args.env_name, "depth": args.depth,
-              "hidden_dim": args.hidden_dim, "batch_size": args.batch_size}
+              "hidden_dim": args.hidden_dim, "batch_size": args.batch_size, "bf16": args.bf16}
     dataset = synthetic_dataset(args.env_name, cli.states, cli.trajectory_length, device)
     for mode in modes:
         for lam in (0.0, args.lambda_depth):

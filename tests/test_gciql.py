@@ -437,3 +437,23 @@ def test_bad_checkpoints(tmp_path):
                 "depth": 5, "model": {}}, tmp_path / "dqn.pt")
     with pytest.raises(ValueError, match="flexloop_gcdqn.py"):
         gciql.load_checkpoint(tmp_path / "dqn.pt")
+
+
+def test_bf16_update_keeps_heads_in_float32_and_the_loss_close(data_dir, tmp_path):
+    """--bf16 runs the networks' matmuls in bf16 but every head (V, Q, the actor's mean) in float32, so the loss
+    stays within bf16's precision of the float32 one, and a run trains end to end."""
+    torch.manual_seed(0)
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, tmp_path, depth=3, hidden_dim=32))
+    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False)
+    agent, target_critic = gciql.build_network(args, "cpu"), gciql.build_network(args, "cpu").critic
+    batch = dataset.sample(32, torch.Generator().manual_seed(0))
+    full, _ = gciql.flexloop_losses(agent, target_critic, batch, args, torch.tensor(0.3))
+    with torch.autocast("cpu", torch.bfloat16):
+        half, terms = gciql.flexloop_losses(agent, target_critic, batch, replace(args, bf16=True), torch.tensor(0.3))
+        value_in = torch.zeros(1, agent.value.embed.weight.shape[1])
+        assert agent.value.output(agent.value.start(value_in)).dtype == torch.float32
+    assert half.dtype == torch.float32 and all(t.dtype == torch.float32 for t in terms.values())
+    torch.testing.assert_close(half, full, rtol=0.05, atol=0.05)
+    assert not torch.equal(half, full)  # the matmuls did run in bf16
+    run_dir = gciql.train(replace(tiny_args(data_dir, tmp_path), bf16=True))
+    assert gciql.load_checkpoint(run_dir / "final.pt")["args"]["bf16"] is True
