@@ -26,6 +26,9 @@ import envs  # noqa: E402
 import flexloop_gcdqn as gcdqn  # noqa: E402
 
 
+OPTIMIZER_VARIANT = {"fused_adam": False, "grads_to_none": False}  # set from the command line (--fused-adam ...)
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -37,7 +40,12 @@ def setup(args, device):
     target_network = gcdqn.build_network(args, device)
     target_network.load_state_dict(network.state_dict())
     target_network.requires_grad_(False)
-    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=device.type == "cuda")
+    fused = OPTIMIZER_VARIANT["fused_adam"] and device.type == "cuda"
+    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=device.type == "cuda",
+                                 fused=fused or None)
+    if OPTIMIZER_VARIANT["grads_to_none"]:  # measurement only: the script's zero_grad(set_to_none=False) overridden
+        zero_grad = optimizer.zero_grad
+        optimizer.zero_grad = lambda set_to_none=True: zero_grad(set_to_none=True)
     replay = gcdqn.TrajectoryReplay(args.num_envs, args.replay_episodes, args.episode_length, device)
     return env, network, target_network, optimizer, replay
 
@@ -121,7 +129,13 @@ if __name__ == "__main__":
     parser.add_argument("--bf16", action="store_true", help="the updates' forward passes under bf16 autocast")
     parser.add_argument("--profile", action="store_true", help="also report the 3 largest GPU kernels per measurement")
     parser.add_argument("--skip-collection", action="store_true")
+    parser.add_argument("--paths", nargs="+", default=["taken", "all-actions", "flexloop"],
+                        help="taken (lambda 0, taken action), all-actions (lambda 0, the path before), flexloop (lambda 1)")
+    parser.add_argument("--fused-adam", action="store_true", help="torch.optim.Adam(fused=True) instead of foreach")
+    parser.add_argument("--grads-to-none", action="store_true",
+                        help="zero_grad(set_to_none=True) in the update: backward writes the gradients, no zeroing")
     cli = parser.parse_args()
+    OPTIMIZER_VARIANT.update(fused_adam=cli.fused_adam, grads_to_none=cli.grads_to_none)
     device = torch.device(cli.device)
     torch.backends.cuda.matmul.allow_tf32 = True
     args = dataclasses.replace(gcdqn.Args(), num_envs=cli.num_envs, batch_size=cli.batch_size, bf16=cli.bf16)
@@ -129,13 +143,14 @@ if __name__ == "__main__":
     modes = ["eager"] + [m for m in modes if m != "eager"]
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "depth": args.depth, "hidden_dim": args.hidden_dim,
-              "batch_size": args.batch_size, "num_envs": args.num_envs, "bf16": cli.bf16}
+              "batch_size": args.batch_size, "num_envs": args.num_envs, "bf16": cli.bf16, **OPTIMIZER_VARIANT}
     if not cli.skip_collection:
         for graph in [False, True] if device.type == "cuda" else [False]:
             print(json.dumps({**measure_collection(args, device, cli.collect_episodes, graph), **common}), flush=True)
     # The update paths the script runs: lambda = 0 with gradient at the taken action only (pretraining, Self-TD
     # Only), lambda = 1 with all 6 actions (FlexLoop); and lambda = 0 with all 6 actions, the path before.
-    for lam, all_action_gradients in [(0.0, False), (0.0, True), (1.0, True)]:
+    paths = {"taken": (0.0, False), "all-actions": (0.0, True), "flexloop": (1.0, True)}
+    for lam, all_action_gradients in [paths[name] for name in cli.paths]:
         eager_rate = None
         for mode in modes:
             try:
