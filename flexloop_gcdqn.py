@@ -422,14 +422,12 @@ class LSTMQNetwork(IRUQNetwork):
         return x_emb, c.view(shape), h.view(shape)
 
 
-
 def build_network(args: Args, device):
     if args.backbone == "lstm":
         return LSTMQNetwork(args.depth, args.hidden_dim, args.num_critics, args.policy_temperature, args.init_alpha,
                             args.obs_encoding).to(device)
     return IRUQNetwork(args.depth, args.hidden_dim, args.num_critics, args.iru_variant, args.policy_temperature,
                        args.init_alpha, args.obs_encoding).to(device)
-
 
 
 def network_from_checkpoint(checkpoint, device="cpu"):
@@ -450,7 +448,6 @@ def load_teacher(args, device):
                          f"{args.env_id}; pass --env-id {checkpoint['env_id']}")
     teacher, _ = network_from_checkpoint(checkpoint, device)
     return teacher.requires_grad_(False)
-
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -633,7 +630,6 @@ class TrajectoryReplay:
                     env=env, episode=episode, t=t, offset=offset, use_future=use_future)
 
 
-
 # ---------------------------------------------------------------------------------------------------------
 # Collection and per-depth evaluation
 # ---------------------------------------------------------------------------------------------------------
@@ -688,7 +684,6 @@ def evaluate(network, eval_envs, generator):
             results[f"eval/{split}/success_depth_{depth}"] = success.mean()
             results[f"eval/{split}/boxes_on_target_depth_{depth}"] = boxes.mean()
     return results
-
 
 
 def format_eval(results, depth, iteration):

@@ -444,7 +444,6 @@ def critics_at(critic, obs, goal, action):
     return critic(torch.cat([obs, goal, action], -1))[..., 0]  # (critics, rows)
 
 
-
 def build_network(args: Args, device):
     spec = ogbench_data.get_spec(args.env_name)
     return GCIQLAgent(spec.obs_dim, spec.action_dim, args.depth, args.hidden_dim, args.iru_variant,
@@ -473,7 +472,6 @@ def flexloop_depth_loss(policies, target="adjacent"):
     The deeper policy is the target (detached), so only the shallower depth moves towards it."""
     deeper = policies[1:] if target == "adjacent" else policies[-1:].expand_as(policies[:-1])
     return IRUActor.divergence(deeper.detach(), policies[:-1]).mean()
-
 
 
 def expectile_loss(diff, expectile):
@@ -677,7 +675,6 @@ def evaluate(actor, vector_env, episodes, device, seed=0, progress=False):
 def format_eval(results, depth, iteration):
     values = " ".join(f"{results[f'eval/success_depth_{k}']:.3f}" for k in range(1, depth + 1))
     return f"update {iteration} success by depth 1..{depth} (mean over tasks): {values}"
-
 
 
 # --- run plumbing: identical in every flexloop_*.py ---

@@ -521,7 +521,6 @@ def make_rollout_buffers(num_steps, num_envs, device):
                 truncated=steps(torch.bool), advantages=steps(), value_targets=steps())
 
 
-
 def compute_gae(rewards, values, terminated, truncated, final_values, next_value, gamma, gae_lambda):
     """Advantages and returns of a rollout, all (T, N) except next_value (N,) = V(obs after the last step).
 
@@ -613,7 +612,6 @@ def collect_rollout(network, env, obs, buffers, generator, episode_sums):
         episode_sums += torch.stack([done.sum(), (done * info["episode_success"]).sum(),
                                      (done * info["episode_return"]).sum(), (done * info["episode_length"]).sum()])
     return obs
-
 
 
 def rollout_metrics(buffers, episode_sums):
