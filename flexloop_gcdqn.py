@@ -250,7 +250,7 @@ def check_args(args: Args):
 # ALGO LOGIC: network
 # ---------------------------------------------------------------------------------------------------------
 class EnsembleLinear(nn.Module):
-    """num_members independent Linear layers applied to (members, rows, in_features)."""
+    """num_members independent Linear layers applied to (members, ..., in_features)."""
 
     def __init__(self, num_members, in_features, out_features):
         super().__init__()
@@ -259,7 +259,7 @@ class EnsembleLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_members, 1, out_features).uniform_(-bound, bound))
 
     def forward(self, x):
-        return torch.baddbmm(self.bias, x, self.weight)
+        return torch.baddbmm(self.bias, x.flatten(1, -2), self.weight).view(*x.shape[:-1], -1)
 
 
 class EnsembleLayerNorm(nn.Module):
@@ -269,7 +269,8 @@ class EnsembleLayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_members, 1, features))
 
     def forward(self, x):
-        return F.layer_norm(x, x.shape[-1:]) * self.weight + self.bias
+        flat = x.flatten(1, -2)  # (members, rows, features)
+        return (F.layer_norm(flat, flat.shape[-1:]) * self.weight + self.bias).view_as(x)
 
 
 class IRUQNetwork(nn.Module):
@@ -323,19 +324,17 @@ class IRUQNetwork(nn.Module):
             x = x[:, :, None, :] + action_weight[:, None, :, :]  # (E, B, A, d)
         else:
             x = (x + action_weight[:, action])[:, :, None, :]  # (E, B, 1, d)
-        x_emb = self.embed_norm(x.reshape(self.num_critics, -1, self.hidden_dim)).view_as(x)
+        x_emb = self.embed_norm(x)
         zeros = torch.zeros_like(x_emb)
         return x_emb, zeros, zeros  # (x_emb, c, h)
 
     def advance(self, state):
         x_emb, c, h = state
-        shape = x_emb.shape
-        flat = lambda t: t.reshape(self.num_critics, -1, self.hidden_dim)  # noqa: E731
         carried = h if self.variant == "residual" else torch.tanh(c)
-        z = self.gate_norm(torch.cat([flat(x_emb), flat(carried)], -1))
+        z = self.gate_norm(torch.cat([x_emb, carried], -1))
         forget_logits, input_logits = self.gates(z).chunk(2, -1)
         forget, candidate = torch.sigmoid(forget_logits), torch.tanh(input_logits)
-        c = (forget * flat(c) + (1 - forget) * candidate).view(shape)
+        c = forget * c + (1 - forget) * candidate
         h = h + torch.tanh(c)
         return x_emb, c, h
 
@@ -349,8 +348,7 @@ class IRUQNetwork(nn.Module):
         values feed the TD target and a softmax at a small temperature, where bf16's 3 digits would show."""
         readout = self.readout(state)
         with torch.autocast(readout.device.type, enabled=False):
-            q = self.head(readout.float().reshape(self.num_critics, -1, self.hidden_dim))
-        return q.view(readout.shape[:-1])
+            return self.head(readout.float())[..., 0]
 
     def decide(self, state):
         return self.q_values(state).mean(0) / self.policy_temperature
@@ -414,12 +412,10 @@ class LSTMQNetwork(IRUQNetwork):
 
     def advance(self, state):
         x_emb, c, h = state
-        shape = x_emb.shape
-        flat = lambda t: t.reshape(self.num_critics, -1, self.hidden_dim)  # noqa: E731
-        input_gate, forget_gate, cell, output_gate = self.gates(torch.cat([flat(x_emb), flat(h)], -1)).chunk(4, -1)
-        c = torch.sigmoid(forget_gate) * flat(c) + torch.sigmoid(input_gate) * torch.tanh(cell)
+        input_gate, forget_gate, cell, output_gate = self.gates(torch.cat([x_emb, h], -1)).chunk(4, -1)
+        c = torch.sigmoid(forget_gate) * c + torch.sigmoid(input_gate) * torch.tanh(cell)
         h = torch.sigmoid(output_gate) * torch.tanh(c)
-        return x_emb, c.view(shape), h.view(shape)
+        return x_emb, c, h
 
 
 def build_network(args: Args, device):

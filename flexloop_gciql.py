@@ -246,7 +246,7 @@ def check_args(args: Args):
 # ALGO LOGIC: network
 # ---------------------------------------------------------------------------------------------------------
 class EnsembleLinear(nn.Module):
-    """num_members independent Linear layers applied to (members, rows, in_features)."""
+    """num_members independent Linear layers applied to (members, ..., in_features)."""
 
     def __init__(self, num_members, in_features, out_features):
         super().__init__()
@@ -255,7 +255,7 @@ class EnsembleLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_members, 1, out_features).uniform_(-bound, bound))
 
     def forward(self, x):
-        return torch.baddbmm(self.bias, x, self.weight)
+        return torch.baddbmm(self.bias, x.flatten(1, -2), self.weight).view(*x.shape[:-1], -1)
 
 
 class EnsembleLayerNorm(nn.Module):
@@ -265,7 +265,8 @@ class EnsembleLayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_members, 1, features))
 
     def forward(self, x):
-        return F.layer_norm(x, x.shape[-1:]) * self.weight + self.bias
+        flat = x.flatten(1, -2)  # (members, rows, features)
+        return (F.layer_norm(flat, flat.shape[-1:]) * self.weight + self.bias).view_as(x)
 
 
 class IRU(nn.Module):
