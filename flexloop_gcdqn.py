@@ -305,7 +305,7 @@ class IRUQNetwork(nn.Module):
         self.embed = EnsembleLinear(num_critics, 2 * obs_dim + num_actions, hidden_dim)
         self.embed_norm = EnsembleLayerNorm(num_critics, hidden_dim)
         self.gate_norm = EnsembleLayerNorm(num_critics, 2 * hidden_dim)
-        self.gates = EnsembleLinear(num_critics, 2 * hidden_dim, 2 * hidden_dim)  # forget and input, one matmul
+        self.gates = EnsembleLinear(num_critics, 2 * hidden_dim, 2 * hidden_dim)  # forget and input gates, one matmul
         with torch.no_grad():
             self.gates.bias[..., :hidden_dim] = 1.0  # forget-gate bias +1: remember by default
         self.head = EnsembleLinear(num_critics, hidden_dim, 1)
@@ -343,15 +343,15 @@ class IRUQNetwork(nn.Module):
         _, c, h = state
         return h if self.variant == "residual" else c
 
+    def decide(self, state):
+        return self.q_values(state).mean(0) / self.policy_temperature
+
     def q_values(self, state):
         """Q of the current depth for every critic: (E, B, A). Read out in float32 also under --bf16: the Q
         values feed the TD target and a softmax at a small temperature, where bf16's 3 digits would show."""
         readout = self.readout(state)
         with torch.autocast(readout.device.type, enabled=False):
             return self.head(readout.float())[..., 0]
-
-    def decide(self, state):
-        return self.q_values(state).mean(0) / self.policy_temperature
 
     def all_depths(self, obs, goal, action=None):
         """Q of every depth, (K, E, B, A); with `action` (B,), Q at that action alone, (K, E, B, 1)."""
@@ -362,12 +362,12 @@ class IRUQNetwork(nn.Module):
             q_per_depth.append(self.q_values(state))
         return torch.stack(q_per_depth)
 
-    def final_depth(self, obs, goal):
-        """Q of depth K alone, (E, B, A): what a TD target reads, without the shallower heads."""
+    def full_depth(self, obs, goal):
+        """The heads at depth K alone, without the shallower ones."""
         state = self.start(obs, goal)
         for _ in range(self.depth):
             state = self.advance(state)
-        return self.q_values(state)
+        return self.q_values(state)  # (E, B, A)
 
     @staticmethod
     def divergence(p_logits, q_logits):
@@ -387,18 +387,16 @@ class IRUQNetwork(nn.Module):
 
 
 class LSTMQNetwork(IRUQNetwork):
-    """The same Q-network with an LSTM cell in place of the IRU cell, unrolled over depth for a fixed input
+    """The same network with an LSTM cell in place of the IRU cell, unrolled over depth for a fixed input
     (the paper's LSTM backbones, §5.4):
 
-        x_emb      = LayerNorm(Linear(concat[obs, goal, onehot(a)]))       (as the IRU)
-        i, f, g, o = Linear(concat[x_emb, h])                               (forget-gate bias initialised to +1)
+        i, f, g, o = Linear(concat[x_emb, h])            (forget-gate bias initialised to +1)
         c          = sigmoid(f) * c + sigmoid(i) * tanh(g)
-        h          = sigmoid(o) * tanh(c)
-        Q_k        = Head(h)
+        h          = sigmoid(o) * tanh(c)                  (the heads read h)
 
-    The state (x_emb, c, h), the ensemble and the depth protocol are the IRU's. Per critic, LSTM-184 has about
-    as many parameters as IRU-256 (287k against 285k with the default inputs); LSTM-256 has about twice as many.
-    """
+    The input embedding, the heads, the state (x_emb, c, h) and the depth protocol are the IRU's. Per critic,
+    LSTM-184 has about as many parameters as IRU-256 (287k against 285k with the default inputs); LSTM-256 has
+    about twice as many."""
 
     def __init__(self, depth=5, hidden_dim=256, num_critics=2, policy_temperature=0.25, init_alpha=1.0,
                  obs_encoding="codes", num_actions=NUM_ACTIONS):
@@ -449,18 +447,18 @@ def load_teacher(args, device):
 # ---------------------------------------------------------------------------------------------------------
 # ALGO LOGIC: losses
 # ---------------------------------------------------------------------------------------------------------
+# flexloop_losses' terms: metrics, NaN checks and checkpoints read these
 LOSS_NAMES = ("losses/td_loss", "losses/depth_kl", "losses/alpha_loss", "charts/policy_entropy",
-              "losses/bellman_loss")  # flexloop_losses' terms: metrics, NaN checks and checkpoints read these
+              "losses/bellman_loss")
 
 
-def flexloop_depth_loss(q_per_depth, policy_temperature, target="adjacent"):
-    """mean_{k=1..K-1} KL(sg[pi_{k+1}] || pi_k) with pi_k = softmax(mean_critics Q_k / tau); with
-    target="final", mean_{k=1..K-1} KL(sg[pi_K] || pi_k) instead.
+def flexloop_depth_loss(logits_per_depth, target="adjacent"):
+    """mean_{k=1..K-1} KL(sg[pi_{k+1}] || pi_k) from logits (K, B, A); with target="final",
+    mean_{k=1..K-1} KL(sg[pi_K] || pi_k) instead.
 
     The deeper policy is the target (detached), so only the shallower depth moves towards it."""
-    logits = q_per_depth.mean(1) / policy_temperature  # (K, B, A)
-    teacher = logits[1:] if target == "adjacent" else logits[-1:].expand_as(logits[:-1])
-    kl = IRUQNetwork.divergence(teacher.detach(), logits[:-1])  # (K-1, B)
+    deeper = logits_per_depth[1:] if target == "adjacent" else logits_per_depth[-1:].expand_as(logits_per_depth[:-1])
+    kl = IRUQNetwork.divergence(deeper.detach(), logits_per_depth[:-1])  # (K-1, B)
     return kl.mean()
 
 
@@ -519,8 +517,8 @@ def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weigh
     autocast = lambda: torch.autocast(batch["obs"].device.type, torch.bfloat16, enabled=args.bf16)  # noqa: E731
     obs, goal, action = batch["obs"], batch["goal"], batch["action"]
     with torch.no_grad(), autocast():
-        bootstrap_q = target_network.final_depth(batch["next_obs"], goal) if teacher is None else \
-            teacher.final_depth(batch["next_obs"], goal)  # only the teacher's outputs
+        bootstrap_q = target_network.full_depth(batch["next_obs"], goal) if teacher is None else \
+            teacher.full_depth(batch["next_obs"], goal)  # only the teacher's outputs
     y = td_target(bootstrap_q, batch["reward"], args.gamma)
     with torch.set_grad_enabled(all_action_gradients and torch.is_grad_enabled()), autocast():
         q_per_depth = network.all_depths(obs, goal)  # (K, E, B, A)
@@ -530,7 +528,8 @@ def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weigh
         with autocast():
             q_taken = network.all_depths(obs, goal, action)[..., 0]
     td = (td_weights * per_depth_td_loss(q_taken, y)).sum()
-    depth_kl = flexloop_depth_loss(q_per_depth, args.policy_temperature, args.depth_target)
+    logits_per_depth = q_per_depth.mean(1) / args.policy_temperature  # pi_k = softmax(mean_critics Q_k / tau)
+    depth_kl = flexloop_depth_loss(logits_per_depth, args.depth_target)
     bellman = q_taken.new_zeros(())
     if teacher is not None:  # the student's own target network, every depth, for the inter-depth Bellman loss
         with torch.no_grad(), autocast():
@@ -671,6 +670,7 @@ def run_episode(network, env, depth, generator):
     return torch.stack(observations, 1), torch.stack(actions, 1), length, success, boxes
 
 
+@torch.no_grad()
 def evaluate(network, eval_envs, generator):
     """Success and boxes on target at every depth 1..K on each split, as device tensors."""
     results = {}

@@ -288,7 +288,7 @@ class IRU(nn.Module):
         self.embed = EnsembleLinear(members, in_dim, hidden_dim)
         self.embed_norm = EnsembleLayerNorm(members, hidden_dim)
         self.gate_norm = EnsembleLayerNorm(members, 2 * hidden_dim)
-        self.gates = EnsembleLinear(members, 2 * hidden_dim, 2 * hidden_dim)  # forget and input, one matmul
+        self.gates = EnsembleLinear(members, 2 * hidden_dim, 2 * hidden_dim)  # forget and input gates, one matmul
         with torch.no_grad():
             self.gates.bias[..., :hidden_dim] = 1.0  # forget-gate bias +1: remember by default
         self.head = EnsembleLinear(members, hidden_dim, out_dim)
@@ -470,9 +470,11 @@ LOSS_NAMES = ("losses/value_loss", "losses/critic_loss", "losses/actor_loss", "l
 def flexloop_depth_loss(policies, target="adjacent"):
     """mean_{k=1..K-1} D~(sg[pi_{k+1}] || pi_k) over the stacked policies (K, rows, 2, A); with target="final",
     mean_{k=1..K-1} D~(sg[pi_K] || pi_k) instead.
+
     The deeper policy is the target (detached), so only the shallower depth moves towards it."""
     deeper = policies[1:] if target == "adjacent" else policies[-1:].expand_as(policies[:-1])
-    return IRUActor.divergence(deeper.detach(), policies[:-1]).mean()
+    kl = IRUActor.divergence(deeper.detach(), policies[:-1])  # (K-1, rows)
+    return kl.mean()
 
 
 def expectile_loss(diff, expectile):

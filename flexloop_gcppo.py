@@ -292,7 +292,7 @@ class IRUActorCritic(nn.Module):
         self.gate_norm = nn.LayerNorm(2 * hidden_dim)
         self.gates = nn.Linear(2 * hidden_dim, 2 * hidden_dim)  # forget and input gates, one matmul
         with torch.no_grad():
-            self.gates.bias[:hidden_dim] = 1.0  # forget-gate bias +1: remember by default
+            self.gates.bias[..., :hidden_dim] = 1.0  # forget-gate bias +1: remember by default
         self.actor = nn.Linear(hidden_dim, num_actions)
         self.critic = nn.Linear(hidden_dim, 1)
         # CleanRL's PPO head init: a near-uniform first policy, a unit-scale value.
@@ -344,13 +344,6 @@ class IRUActorCritic(nn.Module):
     def value(self, state):
         return self.critic(self.readout(state)).squeeze(-1)
 
-    def full_depth(self, obs, goal):
-        """Logits and value at depth K."""
-        state = self.start(obs, goal)
-        for _ in range(self.depth):
-            state = self.advance(state)
-        return self.decide(state), self.value(state)
-
     def all_depths(self, obs, goal):
         state = self.start(obs, goal)
         logits, values = [], []
@@ -359,6 +352,13 @@ class IRUActorCritic(nn.Module):
             logits.append(self.decide(state))
             values.append(self.value(state))
         return torch.stack(logits), torch.stack(values)  # (K, B, A), (K, B)
+
+    def full_depth(self, obs, goal):
+        """The heads at depth K alone, without the shallower ones."""
+        state = self.start(obs, goal)
+        for _ in range(self.depth):
+            state = self.advance(state)
+        return self.decide(state), self.value(state)  # logits (B, A), values (B,)
 
     @staticmethod
     def divergence(p_logits, q_logits):
@@ -380,12 +380,14 @@ class IRUActorCritic(nn.Module):
 
 
 class LSTMActorCritic(IRUActorCritic):
-    """The same actor-critic with an LSTM cell in place of the IRU cell, unrolled over depth for a fixed input:
+    """The same network with an LSTM cell in place of the IRU cell, unrolled over depth for a fixed input
+    (the paper's LSTM backbones, §5.4):
 
         i, f, g, o = Linear(concat[x_emb, h])            (forget-gate bias initialised to +1)
-        c = sigmoid(f) * c + sigmoid(i) * tanh(g),   h = sigmoid(o) * tanh(c),   heads read h
+        c          = sigmoid(f) * c + sigmoid(i) * tanh(g)
+        h          = sigmoid(o) * tanh(c)                  (the heads read h)
 
-    The input pipeline, the heads, the state (x_emb, c, h) and the depth protocol are the IRU's."""
+    The input embedding, the heads, the state (x_emb, c, h) and the depth protocol are the IRU's."""
 
     def __init__(self, depth=5, hidden_dim=64, obs_clip=10.0, input_dim=2 * NUM_LIGHTS, num_actions=NUM_LIGHTS):
         # variant "residual": the inherited readout is h, the LSTM's output
@@ -393,7 +395,7 @@ class LSTMActorCritic(IRUActorCritic):
         del self.gate_norm  # a plain LSTM cell: no normalisation inside
         self.gates = nn.Linear(2 * hidden_dim, 4 * hidden_dim)  # input, forget, cell, output
         with torch.no_grad():
-            self.gates.bias[hidden_dim:2 * hidden_dim] = 1.0
+            self.gates.bias[..., hidden_dim:2 * hidden_dim] = 1.0
 
     def advance(self, state):
         x_emb, c, h = state
@@ -442,8 +444,19 @@ def frozen_copy(network):
 # ---------------------------------------------------------------------------------------------------------
 # ALGO LOGIC: losses
 # ---------------------------------------------------------------------------------------------------------
+# flexloop_losses' terms: metrics, NaN checks and checkpoints read these
 LOSS_NAMES = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/depth_kl", "losses/approx_kl",
-              "losses/clipfrac")  # flexloop_losses' terms: metrics, NaN checks and checkpoints read these
+              "losses/clipfrac")
+
+
+def flexloop_depth_loss(logits_per_depth, target="adjacent"):
+    """mean_{k=1..K-1} KL(sg[pi_{k+1}] || pi_k) from logits (K, B, A); with target="final",
+    mean_{k=1..K-1} KL(sg[pi_K] || pi_k) instead.
+
+    The deeper policy is the target (detached), so only the shallower depth moves towards it."""
+    deeper = logits_per_depth[1:] if target == "adjacent" else logits_per_depth[-1:].expand_as(logits_per_depth[:-1])
+    kl = IRUActorCritic.divergence(deeper.detach(), logits_per_depth[:-1])  # (K-1, B)
+    return kl.mean()
 
 
 def ppo_loss(logits, values, actions, old_logprobs, old_values, advantages, value_targets, clip_coef,
@@ -466,16 +479,6 @@ def ppo_loss(logits, values, actions, old_logprobs, old_values, advantages, valu
         approx_kl = ((ratio - 1) - log_ratio).mean()
         clipfrac = ((ratio - 1).abs() > clip_coef).float().mean()
     return policy_loss, value_loss, entropy, approx_kl, clipfrac
-
-
-def flexloop_depth_loss(logits_per_depth, target="adjacent"):
-    """mean_{k=1..K-1} KL(sg[pi_{k+1}] || pi_k) from logits (K, B, A); with target="final",
-    mean_{k=1..K-1} KL(sg[pi_K] || pi_k) instead.
-
-    The deeper policy is the target (detached), so only the shallower depth moves towards it."""
-    deeper = logits_per_depth[1:] if target == "adjacent" else logits_per_depth[-1:].expand_as(logits_per_depth[:-1])
-    kl = IRUActorCritic.divergence(deeper.detach(), logits_per_depth[:-1])  # (K-1, B)
-    return kl.mean()
 
 
 def flexloop_losses(network, minibatch, args, lambda_depth):

@@ -134,7 +134,7 @@ def test_final_depth_target_distils_every_depth_from_depth_k():
     assert not torch.isclose(final, adjacent)
     # Only the shallower depths are pulled: depth K is only ever the (detached) target.
     q = q.clone().requires_grad_(True)
-    gcdqn.flexloop_depth_loss(q, TAU, "final").backward()
+    gcdqn.flexloop_depth_loss(q.mean(1) / TAU, "final").backward()
     assert q.grad[-1].abs().sum() == 0 and all(q.grad[k].abs().sum() > 0 for k in range(DEPTH - 1))
 
 
@@ -198,7 +198,7 @@ def test_lstm_matches_hand_computation_and_the_depth_protocol():
     # The depth KL through the LSTM reaches only the shallower depths.
     q = network.all_depths(obs, goal)
     q.retain_grad()
-    gcdqn.flexloop_depth_loss(q, network.policy_temperature).backward()
+    gcdqn.flexloop_depth_loss(q.mean(1) / network.policy_temperature).backward()
     assert q.grad[-1].abs().sum() == 0 and q.grad[0].abs().sum() > 0 and q.grad[1].abs().sum() > 0
     assert torch.all(gcdqn.LSTMQNetwork(hidden_dim=6).gates.bias[..., 6:12] == 1.0)  # forget-gate bias +1
 
@@ -426,4 +426,4 @@ def test_q_at_one_action_and_at_depth_k_match_the_all_action_pass():
         q = network.all_depths(batch["obs"], batch["goal"])
         torch.testing.assert_close(network.all_depths(batch["obs"], batch["goal"], batch["action"])[..., 0],
                                    gcdqn.taken_action(q, batch["action"]))
-        torch.testing.assert_close(network.final_depth(batch["obs"], batch["goal"]), q[-1])
+        torch.testing.assert_close(network.full_depth(batch["obs"], batch["goal"]), q[-1])

@@ -90,7 +90,7 @@ def test_depth_protocol_matches_all_depths():
 def test_depth_kl_direction_value_and_gradient():
     torch.manual_seed(2)
     q = torch.randn(3, 2, 4, 6, requires_grad=True)  # (K, E, B, A)
-    loss = gcdqn.flexloop_depth_loss(q, policy_temperature=0.25)
+    loss = gcdqn.flexloop_depth_loss(q.mean(1) / 0.25)  # pi_k's logits: mean_E Q_k / tau
     # By hand: mean over k of KL(pi_{k+1} || pi_k), pi = softmax(mean_E Q / tau).
     pi = torch.softmax(q.detach().mean(1) / 0.25, -1)
     expected = torch.stack([(pi[k + 1] * (pi[k + 1].log() - pi[k].log())).sum(-1).mean() for k in range(2)]).mean()
@@ -104,7 +104,7 @@ def test_depth_kl_direction_value_and_gradient():
 
 def test_depth_kl_is_zero_when_adjacent_depths_agree():
     q = torch.randn(1, 2, 4, 6).expand(5, -1, -1, -1)
-    assert gcdqn.flexloop_depth_loss(q, 0.25).abs() < 1e-6
+    assert gcdqn.flexloop_depth_loss(q.mean(1) / 0.25).abs() < 1e-6
 
 
 # ----- TD target -----
