@@ -366,10 +366,10 @@ class IRUActor(nn.Module):
     Depth protocol (shared with the other scripts and eval_adaptive.py):
         state = start(obs, goal)          depth 0, zero recurrent state
         state = advance(state)            depth k -> k + 1
+        divergence(p, q)                  normalised KL D~(p || q) per row: the training loss and delta_k at inference
+        gather(state, rows)               the recurrent state of some batch rows (adaptive inference)
         policy = decide(state)            pi_k as (rows, 2, action_dim): mean and std
         all_depths(obs, goal)             the policies of depths 1..K, (K, rows, 2, action_dim)
-        divergence(p, q)                  the normalised KL D~(p || q) per row: training loss and delta_k
-        gather(state, rows)               the recurrent state of some batch rows (adaptive inference)
         act(policy)                       the mean action clipped to [-1, 1] (a sample with deterministic=False)
     """
 
@@ -531,12 +531,12 @@ def flexloop_losses(agent, target_critic, batch, args, lambda_depth):
                                        q.mean(), ((mean - actions) ** 2).mean())))
 
 
-def make_update(agent, target_critic, optimizer, dataset, args, generator, lambda_depth, loss_sums,
+def make_update(args, agent, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
                 compile_losses=False):
-    """One update, all on the device with fixed shapes and no host sync (so it can be captured in a CUDA graph):
-    sample a batch, the losses, Adam, Polyak averaging of the target critic; the loss parts add to loss_sums.
-    lambda_depth is a 0-d tensor, so one captured graph serves both phases. With --bf16 the losses' network passes
-    run under bf16 autocast; the backward pass runs outside it, as torch.autocast advises."""
+    """One update: sample a batch, the losses of `flexloop_losses`, Adam, Polyak averaging of the target critic.
+    No host sync, fixed shapes: it can be captured in a CUDA graph. lambda_depth is a 0-d tensor, so one captured
+    graph serves both phases; the loss parts add to loss_sums. With --bf16 the losses' network passes run under
+    bf16 autocast; the backward pass runs outside it, as torch.autocast advises."""
     losses = torch.compile(flexloop_losses) if compile_losses else flexloop_losses
     critic_params, target_params = list(agent.critic.parameters()), list(target_critic.parameters())
 
@@ -565,8 +565,9 @@ def load_dataset(args, device):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Collection and per-depth evaluation: OGBench's 5 tasks, episodes side by side in a gymnasium vector env.
+# Collection and per-depth evaluation
 # ---------------------------------------------------------------------------------------------------------
+# Offline: no collection. Evaluation runs OGBench's 5 tasks, episodes side by side in a gymnasium vector env.
 class TaskResetWrapper(gymnasium.Wrapper):
     """Resets to task options['task_ids'][index], so the envs of one vector env can run different tasks."""
 
@@ -1242,7 +1243,7 @@ def train(args: Args):
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, capturable=on_cuda, fused=on_cuda)
     lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
     loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
-    update = make_update(agent, target_critic, optimizer, dataset, args, generators["sample"], lambda_depth,
+    update = make_update(args, agent, target_critic, optimizer, dataset, generators["sample"], lambda_depth,
                          loss_sums, compile_losses=args.compile and on_cuda)
 
     # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network was given, then FlexLoop. An iteration

@@ -60,7 +60,7 @@ def measure_updates(args, dataset, device, mode, lam, num_updates):
     generator = torch.Generator(device).manual_seed(0)
     lambda_depth = torch.full((), lam, device=device)
     loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device=device)
-    update = gciql.make_update(agent, target_critic, optimizer, dataset, args, generator, lambda_depth, loss_sums,
+    update = gciql.make_update(args, agent, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
                                compile_losses=mode == "compile-graph")
     if mode == "compile-update-graph":
         update = torch.compile(update)

@@ -258,7 +258,7 @@ def test_iql_learns_goal_values(data_dir):
     agent, target_critic = gciql.build_network(args, "cpu"), gciql.build_network(args, "cpu").critic
     target_critic.load_state_dict(agent.critic.state_dict())
     optimizer = torch.optim.Adam(agent.parameters(), lr=1e-3)
-    update = gciql.make_update(agent, target_critic, optimizer, dataset, replace(args, tau=0.05),
+    update = gciql.make_update(replace(args, tau=0.05), agent, target_critic, optimizer, dataset,
                                torch.Generator().manual_seed(0), torch.tensor(0.0),
                                torch.zeros(len(gciql.LOSS_NAMES)))
     for _ in range(300):
