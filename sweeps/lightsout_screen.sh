@@ -27,6 +27,9 @@ declare -A VARIANT_FLAGS=(
   [flax-init]="--init flax --adam-eps 1e-8"
   # the authors' choice wherever ours showed no gain in the first screen (README, LightsOut): the candidate defaults
   [candidate]="--hard-reset-every 3 --advantage-norm rollout --minibatch-layout time-rows --init flax --adam-eps 1e-8"
+  # the authors' three choices that were neutral alone (hard resets, per-rollout advantages, time rows), with our
+  # loss and init, which the screen kept: the next candidate defaults
+  [authors-neutral]="--hard-reset-every 3 --advantage-norm rollout --minibatch-layout time-rows"
 )
 
 if [ $# -lt 2 ]; then

@@ -583,3 +583,16 @@ def test_init_and_adam_eps_reach_the_run_and_its_checkpoint(tmp_path):
     assert (gcppo.Args().init, gcppo.Args().adam_eps) == ("cleanrl", 1e-5)  # defaults unchanged until screened
     with pytest.raises(ValueError, match="--adam-eps must be positive"):
         gcppo.check_args(gcppo.Args(adam_eps=0.0))
+
+
+def test_every_lightsout_screen_variant_is_flags_the_script_accepts():
+    """sweeps/lightsout_screen.sh starts 50M-step runs on a GPU; a misspelt flag there would only show on the
+    device. Each variant's flags must parse and pass check_args, and change at least one default."""
+    import re
+    script = (Path(__file__).resolve().parent.parent / "sweeps" / "lightsout_screen.sh").read_text()
+    variants = dict(re.findall(r'^\s+\[([\w-]+)\]="([^"]*)"', script, flags=re.M))
+    assert {"defaults", "candidate", "ref-loss", "flax-init", "authors-neutral"} <= set(variants)
+    for name, flags in variants.items():
+        args = gcppo.parse_args(flags.split(), prog=name)
+        gcppo.check_args(args)
+        assert (args != gcppo.Args()) == (name != "defaults"), name
