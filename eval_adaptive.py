@@ -553,6 +553,26 @@ def calibrate(sweep, full_success, retain):
             "met": bool(passing)}
 
 
+def matched_success(evaluations):
+    """Mean depth at matched success: per split, the first checkpoint's full-depth success is the reference (list
+    the fixed-depth model first, e.g. IRU-5 then FlexLoop). For every checkpoint, the eps row of smallest mean depth
+    whose success reaches the reference less one binomial standard error of it (the paper's comparison: FlexLoop's
+    success at its mean depth beside IRU-5's at depth K). None where no row reaches it."""
+    reference = evaluations[0]
+    rows = []
+    for group, success_per_depth in reference["elasticity"].items():
+        target, episodes = success_per_depth[-1], reference["episodes"][group]
+        floor = target - math.sqrt(target * (1 - target) / episodes)
+        for ev in evaluations:
+            reaching = [row for row in ev["adaptive"][group] if row["success"] >= floor]
+            best = min(reaching, key=lambda row: (row["mean_depth"], -row["success"]), default=None)
+            rows.append({"label": ev["label"], "split": group, "reference": reference["label"],
+                         "reference_success": target, "floor": floor,
+                         **({key: best[key] for key in ("eps", "success", "mean_depth", "ideal_speedup")}
+                            if best else {"eps": None, "success": None, "mean_depth": None, "ideal_speedup": None})})
+    return rows
+
+
 def quantile_bins(deltas_by_group, endpoint_by_group, num_bins):
     """delta_k against D(pi_K, pi_k): bin edges are quantiles of delta over every group pooled; per group and bin,
     the fraction of that group's samples, the mean delta and the mean endpoint divergence (paper figure 4b)."""
@@ -611,8 +631,9 @@ def evaluate_checkpoint(adapter, network, args, pbar):
     calibration["calibrated_on"] = calibrate_on
     calibration["results"] = {g: {**rows[index], "full_depth_success": out["elasticity"][g][-1]}
                               for g, rows in out["adaptive"].items()}
-    episodes = (getattr(adapter, "episodes", None) or adapter.num_envs) * (len(adapter.groups)
-                                                                           if calibrate_on == "mean" else 1)
+    per_group = getattr(adapter, "episodes", None) or adapter.num_envs
+    out["episodes"] = {g: per_group * (len(adapter.groups) if g == "mean" else 1) for g in out["elasticity"]}
+    episodes = out["episodes"][calibrate_on]
     calibration["warning"] = calibration_warning(calibration)
     calibration["meaningful"] = calibration["warning"] is None
     calibration["note"] = calibration_noise_note(calibration, episodes)
@@ -1417,6 +1438,15 @@ def summary_tables(evaluations, stress):
                 notes.append(f"note {ev['label']}: {cal['note']}")
             lines += [textwrap.fill(note, 116, initial_indent="  ", subsequent_indent="    ") for note in notes]
 
+        lines += ["", textwrap.fill(f"mean depth at matched success: the smallest mean depth whose success reaches "
+                                    f"{evaluations[0]['label']}'s full-depth success less one standard error", 116)]
+        rows = [[row["label"], row["split"], f"{row['reference_success']:.3f}", f"{row['floor']:.3f}"]
+                + ([f"{row['eps']:g}", f"{row['success']:.3f}", f"{row['mean_depth']:.2f}",
+                    f"{row['ideal_speedup']:.2f}x"] if row["eps"] is not None else ["not reached", "", "", ""])
+                for row in matched_success(evaluations)]
+        lines += text_table(["checkpoint", "split" if "train" in groups else "task", "reference", "floor", "eps",
+                             "success", "mean depth", "ideal speed-up"], rows)
+
     if stress:
         first = next((row for row in stress if "modes" in row), stress[0])
         lines += ["", f"wall clock of one env step ({first.get('env_id', '')}, {first.get('split', '')} tasks, "
@@ -1525,6 +1555,7 @@ def main(args: Args):
                "stopping_rule": "k* = min({k > k_min : delta_k < eps} | {K}), delta_k = divergence(pi_k, pi_{k-1}) "
                                 "(deeper policy first, the training loss's direction), clamped at 0",
                "checkpoints": evaluations,
+               "matched_success": matched_success(evaluations) if evaluations else [],
                "warnings": [f"{ev['label']}: {ev['calibration']['warning']}" for ev in evaluations
                             if ev["calibration"]["warning"]],
                "stress": {"paper_anchor": PAPER_ANCHOR, "results": stress} if args.stress_envs else None}

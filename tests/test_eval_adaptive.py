@@ -3,6 +3,7 @@ episode accounting, bad inputs, a smoke run (results.json, plots, a tiny CPU str
 printed table checked for readability."""
 
 import json
+import math
 
 import matplotlib
 import numpy as np
@@ -375,7 +376,8 @@ def fake_evaluation(label, env_id, depth, eps_grid, seed, groups=("train", "unse
             trace[g].update(grids=grid.grid.repeat(100, 1).tolist(), goal=grid.goal[0].tolist())
     return {"label": label, "path": f"{label}.pt", "algorithm": "fake", "env_id": env_id, "depth": depth,
             "k_min": k_min, "eps_grid": list(eps_grid), "elasticity": elasticity, "adaptive": adaptive,
-            "calibration": calibration, "analysis": {"bins": bins}, "trace": trace}
+            "calibration": calibration, "analysis": {"bins": bins}, "trace": trace,
+            "episodes": {g: 128 * (len(groups) if g == "mean" else 1) for g in elasticity}}
 
 
 def tick_labels(axis):
@@ -463,6 +465,26 @@ def test_narrow_log_ranges_get_several_tick_labels():
     for low, high in [(1e-3, 1.3e-3), (0.011, 0.029), (2e-5, 3e-1), (0.5, 0.5000001)]:
         ticks, lo, hi = ea.log_ticks(low, high)
         assert len([t for t in ticks if lo <= t <= hi]) >= 2 and lo <= low and hi >= high
+
+
+def test_mean_depth_at_matched_success_reads_the_cheapest_row_within_one_standard_error():
+    iru = fake_evaluation("IRU-5", "LightsOut-4x5-v0", 5, (0.0, 0.01, 0.02, 0.05), 0)
+    flexloop = fake_evaluation("FlexLoop", "LightsOut-4x5-v0", 5, (0.0, 0.01, 0.02, 0.05), 1)
+    iru["elasticity"]["train"][-1] = 0.64  # 128 episodes: one standard error is 0.0424
+    rows = [(0.0, 0.70, 5.0), (0.01, 0.60, 3.2), (0.02, 0.59, 2.9), (0.05, 0.20, 2.0)]
+    flexloop["adaptive"]["train"] = [{"eps": e, "success": p, "mean_depth": d, "ideal_speedup": 5 / d}
+                                     for e, p, d in rows]
+    iru["elasticity"]["unseen"][-1] = 0.5
+    flexloop["adaptive"]["unseen"] = [{"eps": e, "success": 0.3, "mean_depth": d, "ideal_speedup": 5 / d}
+                                      for e, _, d in rows]
+    matched = {(r["label"], r["split"]): r for r in ea.matched_success([iru, flexloop])}
+    train = matched["FlexLoop", "train"]
+    assert train["floor"] == pytest.approx(0.64 - math.sqrt(0.64 * 0.36 / 128))
+    assert (train["eps"], train["success"], train["mean_depth"]) == (0.01, 0.60, 3.2)  # 0.59 < floor 0.5976
+    assert matched["FlexLoop", "unseen"]["eps"] is None  # no row reaches it: said, not guessed
+    assert matched["IRU-5", "train"]["reference"] == "IRU-5"
+    text = ea.summary_tables([iru, flexloop], [])
+    assert "mean depth at matched success" in text and "not reached" in text and "3.20" in text
 
 
 def test_printed_tables_and_calibration_warning(capsys):
