@@ -1486,6 +1486,9 @@ def log_to_wandb(args, name, out_dir, evaluations, stress, plot_paths):
         "eval/calibration": (["checkpoint", "split", "eps", "success", "mean_depth", "full_depth_success"],
                              [[ev["label"], g, r["eps"], r["success"], r["mean_depth"], r["full_depth_success"]]
                               for ev in evaluations for g, r in ev["calibration"]["results"].items()]),
+        "eval/matched_success": (["checkpoint", "split", "reference_success", "floor", "eps", "success", "mean_depth"],
+                                 [[r["label"], r["split"], r["reference_success"], r["floor"], r["eps"], r["success"],
+                                   r["mean_depth"]] for r in (matched_success(evaluations) if evaluations else [])]),
         "eval/stress": (["checkpoint", "num_envs", "mode", "ms_per_step_median", "ms_per_step_iqr", "mean_depth",
                          "speedup", "ideal_speedup"],
                         [[row["checkpoint"], row["num_envs"], mode, m["ms_per_step_median"], m["ms_per_step_iqr"],

@@ -4,6 +4,7 @@ printed table checked for readability."""
 
 import json
 import math
+import sys
 
 import matplotlib
 import numpy as np
@@ -543,3 +544,31 @@ def test_every_plot_of_real_checkpoints_reads(which, request, tmp_path, caplog, 
             assert f"WARNING {ev['label']}:" in printed
     if which == "k2_gcdqn_checkpoint":
         assert "no row can stop before depth K" in printed
+
+
+def test_wandb_gets_every_table_with_its_rows(monkeypatch, tmp_path):
+    """log_to_wandb, with a stand-in wandb module: one run, every table (matched success included) with rows."""
+    import types
+    logged = {}
+
+    class Table:
+        def __init__(self, columns, data):
+            self.columns, self.data = columns, data
+
+    class Run:
+        def log(self, values):
+            logged.update(values)
+
+        def finish(self):
+            logged["finished"] = True
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: Run(), Table=Table,
+                                                                      Image=lambda path: path))
+    evaluations = [fake_evaluation(name, "LightsOut-4x5-v0", 5, ea.EPS_GRIDS["lightsout"], seed)
+                   for seed, name in enumerate(["IRU-5", "FlexLoop"])]
+    ea.log_to_wandb(ea.Args(checkpoints=("a.pt",)), "run", tmp_path, evaluations, [], [])
+    assert logged.pop("finished")
+    assert set(logged) == {"eval/elasticity", "eval/adaptive", "eval/calibration", "eval/matched_success"}
+    matched = logged["eval/matched_success"]
+    assert len(matched.data) == 2 * 2 and matched.columns[:2] == ["checkpoint", "split"]
+    assert len(logged["eval/adaptive"].data) == 2 * 2 * len(ea.EPS_GRIDS["lightsout"])
