@@ -7,6 +7,7 @@ of long runs beside the paper's final values (--paper).
 """
 
 import argparse
+import itertools
 import json
 
 import matplotlib
@@ -45,7 +46,7 @@ def main():
     styles = ["-", "--", ":", "-."]
     colours = plt.cm.viridis([k / max(1, depth - 1) for k in range(depth)])
     for axis, split in zip(axes, ["train", "unseen"]):
-        for (label, records), style in zip(runs.items(), styles):
+        for (label, records), style in zip(runs.items(), itertools.cycle(styles)):  # every run, styles repeat
             updates = [r["global_step"] * cli.updates_per_step / 1000 for r in records]
             for k in range(1, depth + 1):
                 axis.plot(updates, [r[f"eval/{split}/success_depth_{k}"] for r in records], style, marker="o",
