@@ -1053,7 +1053,7 @@ class Run:
         self.progress = tqdm(total=self.total_iterations * per_iteration, initial=done, desc=self.name,
                              unit=" " + progress, dynamic_ncols=True)
         self.started = self.last_save = self.clock = time.perf_counter()
-        self.first_tick, self.projected = None, False
+        self.first_tick, self.projected, self.first_iteration = None, False, self.iteration
         self.train_seconds, self.logged = 0.0, (self.global_step, self.updates)
         return self
 
@@ -1124,7 +1124,7 @@ class Run:
         if self.first_tick is None and self.progress.n > self.progress.initial:
             self.first_tick = (now, self.progress.n)
         elif self.first_tick is not None and not self.projected and self.progress.n > self.first_tick[1] and (
-                now - self.first_tick[0] >= 15 or self.iteration >= 2):
+                now - self.first_tick[0] >= 15 or self.iteration - self.first_iteration >= 2):
             rate = (self.progress.n - self.first_tick[1]) / (now - self.first_tick[0])
             left = (self.progress.total - self.progress.n) / rate
             self.progress.write(f"projected: {duration(now - self.started + left)} for the whole run, "

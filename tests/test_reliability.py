@@ -474,3 +474,24 @@ def test_gcdqn_future_discount_outside_0_1_is_refused(tmp_path, future_discount)
     with pytest.raises(ValueError, match="--future-discount must lie in"):
         gcdqn.train(gcdqn.Args(**DQN, future_discount=future_discount, run_dir=str(tmp_path)))
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_resumed_run_projects_its_time_only_after_two_iterations_of_its_own(script):
+    """The projected run time waits for two iterations (or 15 s) counted from where this process started. A run
+    resumed at iteration 100 of 200 once projected from its first two updates: "16 s for the whole run" for a run
+    that took 11 minutes more."""
+    import io
+
+    from tqdm import tqdm
+    run = object.__new__(SCRIPTS[script].Run)
+    run.progress = tqdm(total=200_000, initial=100_000, file=io.StringIO())
+    run.iteration = run.first_iteration = 100
+    run.first_tick, run.projected, run.started = None, False, time.perf_counter()
+    run.device = torch.device("cpu")
+    for _ in range(3):
+        run.tick(1)
+    assert not run.projected
+    run.iteration = 102
+    run.tick(1)
+    assert run.projected
