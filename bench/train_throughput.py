@@ -4,7 +4,8 @@ per second, for IRU-5 at batch 1024 with the default network, pretraining (lambd
     python bench/train_throughput.py                     # every mode on the GPU
     python bench/train_throughput.py --modes eager --updates 20 --num-envs 64 --batch-size 64   # CPU check
 
-Modes: eager (plain PyTorch), graph (one update captured in a CUDA graph), compile-graph (torch.compile'd
+Modes: eager (plain PyTorch), graph (one update captured in a CUDA graph), compile (torch.compile'd, not
+captured: with --profile it also names the ops that launch the largest kernels), compile-graph (torch.compile'd
 update, then captured), autotune-graph (compiled with mode="max-autotune-no-cudagraphs", then captured). Each
 path is measured in eager mode first, and every mode's rate is also given as a ratio to that eager rate.
 Three update paths: lambda = 0 with gradient at the taken action only (what pretraining runs), lambda = 0 with
@@ -81,7 +82,7 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes, all_act
     loss_sums = torch.zeros(len(gcdqn.LOSS_NAMES), device=device)
     update = gcdqn.make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums,
                                all_action_gradients=all_action_gradients)
-    if mode in ("compile-graph", "autotune-graph"):
+    if mode in ("compile", "compile-graph", "autotune-graph"):
         update = torch.compile(update, mode="max-autotune-no-cudagraphs" if mode == "autotune-graph" else None)
     if mode in ("graph", "compile-graph", "autotune-graph"):
         update = gcdqn.capture_cuda_graph(update, [generator])
@@ -99,6 +100,8 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes, all_act
               "td_loss_mean": round(loss_sums[0].item() / max(1, num_updates), 5)}
     if profile and device.type == "cuda":
         result["largest_costs"] = profile_kernels(update, device)
+        if mode == "compile":  # not captured, so the profiler still sees which op launched each kernel
+            result["largest_ops"] = profile_ops(update, device)
     return result
 
 
@@ -116,11 +119,27 @@ def profile_kernels(update, device, updates=20, top=3):
              "us_per_update": round(e.self_device_time_total / updates, 1)} for e in events[:top]]
 
 
+def profile_ops(update, device, updates=20, top=5):
+    """The `top` operators by the GPU time of the kernels they launch themselves, with their input shapes: where
+    a kernel of `largest_costs` comes from (an ATen kernel between inductor's Triton kernels is a fallback op)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(updates):
+            update()
+        sync(device)
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type.name == "CPU" and e.self_device_time_total > 0]
+    ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [{"op": e.key[:90], "shapes": str(e.input_shapes)[:160], "calls_per_update": e.count / updates,
+             "us_per_update": round(e.self_device_time_total / updates, 1)} for e in ops[:top]]
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--modes", nargs="+", default=None,
-                        help="eager, graph, compile-graph, autotune-graph (eager always runs first: the ratios' base)")
+                        help="eager, graph, compile, compile-graph, autotune-graph (eager always runs first: the ratios' "
+                             "base; compile is uncaptured, and with --profile names the ops behind the kernels)")
     parser.add_argument("--updates", type=int, default=500)
     parser.add_argument("--num-envs", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=1024)
