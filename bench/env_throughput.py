@@ -69,7 +69,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--num-envs", type=int, nargs="+", default=[1024, 32768])
     parser.add_argument("--variants", nargs="+", default=["Exact-4", "Generalize-4-1"])
-    parser.add_argument("--modes", nargs="+", default=None, help="eager and/or graph (graph needs CUDA)")
+    parser.add_argument("--modes", nargs="+", default=None, help="eager, graph, compiled-graph (graph modes need CUDA)")
     parser.add_argument("--steps-per-graph", type=int, default=100)
     args = parser.parse_args()
     modes = args.modes or (["eager", "graph"] if args.device.startswith("cuda") else ["eager"])
