@@ -1232,17 +1232,17 @@ def train(args: Args):
     # The dataset first: a missing one fails here, before any run folder exists. It is data, not state, so a
     # resumed run simply reloads it.
     dataset = load_dataset(args, device)
-    generators = {"sample": torch.Generator(device).manual_seed(args.seed)}
     agent = build_network(args, device)
     if run.init is not None:
         agent.load_state_dict(run.init["model"])
+    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
+    loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
+    generators = {"sample": torch.Generator(device).manual_seed(args.seed)}
     target_critic = copy.deepcopy(agent.critic).requires_grad_(False)
     if run.init is not None:
         target_critic.load_state_dict(run.init["target_model"])
     on_cuda = device.type == "cuda"
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, capturable=on_cuda, fused=on_cuda)
-    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
-    loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
     update = make_update(args, agent, target_critic, optimizer, dataset, generators["sample"], lambda_depth,
                          loss_sums, compile_losses=args.compile and on_cuda)
 
