@@ -182,7 +182,8 @@ class PerformanceArgs:
     cuda_graph: bool = True
     """capture one update (sampling included) in a CUDA graph and replay it (GPU only)"""
     bf16: bool = False
-    """run the update's forward passes under bf16 autocast (faster on GPU; not yet shown to learn as well)"""
+    """run the update's network passes under bf16 autocast, every head in float32 (faster on a GPU; not yet shown
+    to learn as well, so off by default)"""
 
 
 @dataclass
