@@ -279,7 +279,7 @@ class IRUQNetwork(nn.Module):
 
         x_emb = LayerNorm(Linear(concat[obs, goal, onehot(a)]))
         z     = LayerNorm(concat[x_emb, h])            (paper variant: concat[x_emb, tanh(c)])
-        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))
+        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))      (forget-gate bias initialised to +1)
         c     = f * c + (1 - f) * i
         h     = h + tanh(c)                              (residual across steps)
         Q_k   = Head(h)                                  (paper variant: Head(c))

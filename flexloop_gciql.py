@@ -274,7 +274,7 @@ class IRU(nn.Module):
 
         x_emb = LayerNorm(Linear(x))                    x: the concatenated input
         z     = LayerNorm(concat[x_emb, h])            (paper variant: concat[x_emb, tanh(c)])
-        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))      (forget bias initialised to +1)
+        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))      (forget-gate bias initialised to +1)
         c     = f * c + (1 - f) * i
         h     = h + tanh(c)                              (residual across steps)
         out_k = Head(h)                                  (paper variant: Head(c)); plain Linear
@@ -334,9 +334,9 @@ class LSTM(IRU):
 
         i, f, g, o = Linear(concat[x_emb, h])            (forget-gate bias initialised to +1)
         c          = sigmoid(f) * c + sigmoid(i) * tanh(g)
-        h          = sigmoid(o) * tanh(c)                  (the head reads h)
+        h          = sigmoid(o) * tanh(c)                  (the heads read h)
 
-    The input embedding, the head, the state (x_emb, c, h), the members and the methods are the IRU's."""
+    The input embedding, the heads, the state (x_emb, c, h), the members and the methods are the IRU's."""
 
     def __init__(self, in_dim, out_dim, depth=5, hidden_dim=256, members=1):
         # variant "residual": the inherited readout is h, the LSTM's output

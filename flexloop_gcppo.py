@@ -205,7 +205,7 @@ class Args(PerformanceArgs, EvaluationArgs, FlexLoopArgs, AlgorithmArgs, Network
 ENV_FLAG = "env_id"  # the flag naming the env: run names, checkpoints and --init-checkpoint checks read it
 RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug")  # --resume takes these as given
 ALGORITHM = "gcppo"
-NETWORK_FLAGS = ("depth", "hidden_dim", "iru_variant", "backbone")  # an --init-checkpoint must match these
+NETWORK_FLAGS = ("depth", "hidden_dim", "iru_variant", "backbone")  # an --init-checkpoint must match
 CHECKPOINT_PARTS = ("model", "teacher_model", "optimizer")  # the state dicts in a checkpoint (no teacher: None)
 GPU_SIZED_FLAGS = ("num_envs", "num_steps", "pretrain_timesteps", "total_timesteps")  # their defaults need a GPU
 PRETRAINING_ONLY = dict(lambda_depth=0.0, total_timesteps=0, init_checkpoint=None)  # what iru_pretrain.py fixes
@@ -266,7 +266,7 @@ class IRUActorCritic(nn.Module):
         x     = clip((concat[obs, goal] - running mean) / running std)     (40 inputs)
         x_emb = LayerNorm(Linear(x))
         z     = LayerNorm(concat[x_emb, h])            (paper variant: concat[x_emb, tanh(c)])
-        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))
+        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))      (forget-gate bias initialised to +1)
         c     = f * c + (1 - f) * i
         h     = h + tanh(c)                              (residual across steps)
         logits_k = Actor(h),  V_k = Value(h)             (paper variant: read c)
