@@ -182,7 +182,8 @@ class PerformanceArgs:
     cuda_graph: bool = True
     """capture one update (sampling included) in a CUDA graph and replay it (GPU only)"""
     bf16: bool = False
-    """run the update's forward passes under bf16 autocast (faster on GPU; not yet shown to learn as well)"""
+    """run the update's network passes under bf16 autocast, every head in float32 (faster on a GPU; not yet shown
+    to learn as well, so off by default)"""
 
 
 @dataclass
@@ -278,7 +279,7 @@ class IRUQNetwork(nn.Module):
 
         x_emb = LayerNorm(Linear(concat[obs, goal, onehot(a)]))
         z     = LayerNorm(concat[x_emb, h])            (paper variant: concat[x_emb, tanh(c)])
-        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))
+        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))      (forget-gate bias initialised to +1)
         c     = f * c + (1 - f) * i
         h     = h + tanh(c)                              (residual across steps)
         Q_k   = Head(h)                                  (paper variant: Head(c))
@@ -1238,20 +1239,20 @@ def train(args: Args):
     run = Run(args)  # the flags checked (a resumed run's own), checkpoints read, the device picked, seeds set
     args, device = run.args, run.device
     env, eval_envs = make_envs(args, device)
+    network = build_network(args, device)
+    if run.init is not None:
+        network.load_state_dict(run.init["model"])
+    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
+    loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
     generators = {"actions": torch.Generator(device).manual_seed(args.seed),
                   "replay": torch.Generator(device).manual_seed(args.seed + 1),
                   "eval": torch.Generator(device).manual_seed(args.seed + 2),
                   "env": env.generator, **{f"env_{s}": e.generator for s, e in eval_envs.items()}}
-    network = build_network(args, device)
-    if run.init is not None:
-        network.load_state_dict(run.init["model"])
     target_network = copy.deepcopy(network).requires_grad_(False)
     teacher = load_teacher(args, device) if args.teacher_checkpoint else None  # FlexLoop from scratch
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=device.type == "cuda")
     replay = TrajectoryReplay(args.num_envs, args.replay_episodes, args.episode_length, device,
                               args.future_goal_fraction, args.future_discount)
-    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
-    loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
     td_weights = torch.zeros(args.depth, device=device)  # the TD loss's weight per depth, set per phase
 
     # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network or a teacher was given, then FlexLoop,

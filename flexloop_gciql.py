@@ -165,9 +165,9 @@ class PerformanceArgs:
     require_cuda: bool = False
     """fail instead of falling back to CPU when no GPU is present"""
     compile: bool = True
-    """torch.compile the losses (CUDA only: on CPU compiling costs more than it saves)"""
+    """torch.compile the losses on GPU (ignored on CPU, where it does not pay)"""
     cuda_graph: bool = True
-    """capture one update (sampling included) in a CUDA graph and replay it (CUDA only)"""
+    """capture one update (sampling included) in a CUDA graph and replay it (GPU only)"""
     bf16: bool = False
     """run the update's network passes under bf16 autocast, every head in float32 (faster on a GPU; not yet shown
     to learn as well, so off by default)"""
@@ -274,7 +274,7 @@ class IRU(nn.Module):
 
         x_emb = LayerNorm(Linear(x))                    x: the concatenated input
         z     = LayerNorm(concat[x_emb, h])            (paper variant: concat[x_emb, tanh(c)])
-        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))      (forget bias initialised to +1)
+        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))      (forget-gate bias initialised to +1)
         c     = f * c + (1 - f) * i
         h     = h + tanh(c)                              (residual across steps)
         out_k = Head(h)                                  (paper variant: Head(c)); plain Linear
@@ -296,15 +296,15 @@ class IRU(nn.Module):
     def start(self, x):
         x_emb = self.embed_norm(self.embed(x.expand(self.members, -1, -1)))
         zeros = torch.zeros_like(x_emb)
-        return x_emb, zeros, zeros
+        return x_emb, zeros, zeros  # (x_emb, c, h)
 
     def advance(self, state):
         x_emb, c, h = state
         carried = h if self.variant == "residual" else torch.tanh(c)
         z = self.gate_norm(torch.cat([x_emb, carried], -1))
         forget_logits, input_logits = self.gates(z).chunk(2, -1)
-        forget = torch.sigmoid(forget_logits)
-        c = forget * c + (1 - forget) * torch.tanh(input_logits)
+        forget, candidate = torch.sigmoid(forget_logits), torch.tanh(input_logits)
+        c = forget * c + (1 - forget) * candidate
         h = h + torch.tanh(c)
         return x_emb, c, h
 
@@ -329,15 +329,18 @@ class IRU(nn.Module):
 
 
 class LSTM(IRU):
-    """The IRU's drop-in replacement for the backbone ablation: an LSTM cell unrolled over depth for a fixed input,
+    """The same network with an LSTM cell in place of the IRU cell, unrolled over depth for a fixed input
+    (the paper's LSTM backbones, §5.4):
 
-        x_emb = LayerNorm(Linear(x)),   i, f, g, o = Linear(concat[x_emb, h])   (forget-gate bias initialised to +1)
-        c = sigmoid(f) * c + sigmoid(i) * tanh(g),   h = sigmoid(o) * tanh(c),   out_k = Head(h)
+        i, f, g, o = Linear(concat[x_emb, h])            (forget-gate bias initialised to +1)
+        c          = sigmoid(f) * c + sigmoid(i) * tanh(g)
+        h          = sigmoid(o) * tanh(c)                  (the heads read h)
 
-    with the IRU's state (x_emb, c, h), members and methods."""
+    The input embedding, the heads, the state (x_emb, c, h), the members and the methods are the IRU's."""
 
     def __init__(self, in_dim, out_dim, depth=5, hidden_dim=256, members=1):
-        super().__init__(in_dim, out_dim, depth, hidden_dim, "residual", members)  # "residual": the head reads h
+        # variant "residual": the inherited readout is h, the LSTM's output
+        super().__init__(in_dim, out_dim, depth, hidden_dim, "residual", members)
         del self.gate_norm  # a plain LSTM cell: no normalisation inside
         self.gates = EnsembleLinear(members, 2 * hidden_dim, 4 * hidden_dim)  # input, forget, cell, output
         with torch.no_grad():
@@ -454,9 +457,9 @@ def build_network(args: Args, device):
 def network_from_checkpoint(checkpoint, device="cpu"):
     """Rebuild the policy network (the IRUActor) from a checkpoint alone (used by eval_adaptive.py)."""
     args = args_from_checkpoint(checkpoint)
-    agent = build_network(args, device)
-    agent.load_state_dict(checkpoint["model"])
-    return agent.actor, args
+    network = build_network(args, device)
+    network.load_state_dict(checkpoint["model"])
+    return network.actor, args
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -501,28 +504,28 @@ def ddpg_bc_actor_loss(q, log_prob, alpha):
     return q_loss + bc_loss, q_loss, bc_loss
 
 
-def flexloop_losses(agent, target_critic, batch, args, lambda_depth):
+def flexloop_losses(network, target_critic, batch, args, lambda_depth):
     """The loss of one update on a batch and its terms by LOSS_NAMES, as device tensors (no host sync): GC-IQL's
     value, critic and actor losses at depth K plus lambda_depth * the actor's depth loss."""
     obs, actions, value_goals, actor_goals = (batch["observations"], batch["actions"], batch["value_goals"],
                                               batch["actor_goals"])
     with torch.no_grad():
         target_q = critics_at(target_critic, obs, value_goals, actions).min(0).values
-        next_v = value_at(agent.value, batch["next_observations"], value_goals)
+        next_v = value_at(network.value, batch["next_observations"], value_goals)
         q_target = critic_target(batch["rewards"], batch["masks"], next_v, args.gamma)
 
-    v = value_at(agent.value, obs, value_goals)
+    v = value_at(network.value, obs, value_goals)
     value_loss = expectile_loss(target_q - v, args.expectile).mean()
 
-    q = critics_at(agent.critic, obs, value_goals, actions)
+    q = critics_at(network.critic, obs, value_goals, actions)
     critic_loss = ((q - q_target) ** 2).mean(1).sum()  # MSE on each critic
 
     # Actor at depth K. Q(s, g, mu) trains only the actor: the critic runs with detached weights.
-    policies = agent.actor.all_depths(obs, actor_goals)  # (K, B, 2, A)
+    policies = network.actor.all_depths(obs, actor_goals)  # (K, B, 2, A)
     mean, std = policies[-1, :, 0], policies[-1, :, 1]
-    frozen_critic = {name: p.detach() for name, p in agent.critic.named_parameters()}
+    frozen_critic = {name: p.detach() for name, p in network.critic.named_parameters()}
     q_actor_input = torch.cat([obs, actor_goals, mean.clamp(-1.0, 1.0)], -1)
-    q_actor = torch.func.functional_call(agent.critic, frozen_critic, (q_actor_input,))[..., 0].min(0).values
+    q_actor = torch.func.functional_call(network.critic, frozen_critic, (q_actor_input,))[..., 0].min(0).values
     actor_loss, q_loss, bc_loss = ddpg_bc_actor_loss(q_actor, gaussian_log_prob(actions, mean, std), args.alpha)
     depth_kl = flexloop_depth_loss(policies, args.depth_target)
 
@@ -531,19 +534,19 @@ def flexloop_losses(agent, target_critic, batch, args, lambda_depth):
                                        q.mean(), ((mean - actions) ** 2).mean())))
 
 
-def make_update(args, agent, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
+def make_update(args, network, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
                 compile_losses=False):
     """One update: sample a batch, the losses of `flexloop_losses`, Adam, Polyak averaging of the target critic.
     No host sync, fixed shapes: it can be captured in a CUDA graph. lambda_depth is a 0-d tensor, so one captured
     graph serves both phases; the loss parts add to loss_sums. With --bf16 the losses' network passes run under
     bf16 autocast; the backward pass runs outside it, as torch.autocast advises."""
     losses = torch.compile(flexloop_losses) if compile_losses else flexloop_losses
-    critic_params, target_params = list(agent.critic.parameters()), list(target_critic.parameters())
+    critic_params, target_params = list(network.critic.parameters()), list(target_critic.parameters())
 
     def update():
         batch = dataset.sample(args.batch_size, generator)
         with torch.autocast(batch["observations"].device.type, torch.bfloat16, enabled=args.bf16):
-            loss, terms = losses(agent, target_critic, batch, args, lambda_depth)
+            loss, terms = losses(network, target_critic, batch, args, lambda_depth)
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
         optimizer.step()
@@ -590,6 +593,20 @@ def make_eval_vector_env(env_name, num_envs, async_envs=True):
     env_fns = [partial(make_eval_env, env_name, i) for i in range(num_envs)]
     vector_env_class = gymnasium.vector.AsyncVectorEnv if async_envs else gymnasium.vector.SyncVectorEnv
     return vector_env_class(env_fns, autoreset_mode=gymnasium.vector.AutoresetMode.DISABLED)
+
+
+def depth_policy_fn(actor, device):
+    """A rollout policy_fn in which policy index i acts with the mean action of depth i + 1 (one forward pass
+    computes every depth; each row keeps its own)."""
+
+    @torch.no_grad()
+    def policy_fn(obs, goal, policy_index):
+        obs, goal = torch.as_tensor(obs, device=device), torch.as_tensor(goal, device=device)
+        policies = actor.all_depths(obs, goal)  # (K, rows, 2, A)
+        rows = torch.arange(obs.shape[0], device=device)
+        return actor.act(policies[torch.as_tensor(policy_index, device=device), rows])
+
+    return policy_fn
 
 
 def rollout(policy_fn, vector_env, task_ids=TASK_IDS, episodes=50, num_policies=1, seed=0, progress=False):
@@ -645,20 +662,6 @@ def rollout(policy_fn, vector_env, task_ids=TASK_IDS, episodes=50, num_policies=
             start_next_jobs(done)
     pbar.close()
     return success.reshape(num_policies, len(task_ids), episodes)
-
-
-def depth_policy_fn(actor, device):
-    """A rollout policy_fn in which policy index i acts with the mean action of depth i + 1 (one forward pass
-    computes every depth; each row keeps its own)."""
-
-    @torch.no_grad()
-    def policy_fn(obs, goal, policy_index):
-        obs, goal = torch.as_tensor(obs, device=device), torch.as_tensor(goal, device=device)
-        policies = actor.all_depths(obs, goal)  # (K, rows, 2, A)
-        rows = torch.arange(obs.shape[0], device=device)
-        return actor.act(policies[torch.as_tensor(policy_index, device=device), rows])
-
-    return policy_fn
 
 
 def evaluate(actor, vector_env, episodes, device, seed=0, progress=False):
@@ -1232,18 +1235,18 @@ def train(args: Args):
     # The dataset first: a missing one fails here, before any run folder exists. It is data, not state, so a
     # resumed run simply reloads it.
     dataset = load_dataset(args, device)
-    generators = {"sample": torch.Generator(device).manual_seed(args.seed)}
-    agent = build_network(args, device)
+    network = build_network(args, device)
     if run.init is not None:
-        agent.load_state_dict(run.init["model"])
-    target_critic = copy.deepcopy(agent.critic).requires_grad_(False)
+        network.load_state_dict(run.init["model"])
+    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
+    loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
+    generators = {"sample": torch.Generator(device).manual_seed(args.seed)}
+    target_critic = copy.deepcopy(network.critic).requires_grad_(False)
     if run.init is not None:
         target_critic.load_state_dict(run.init["target_model"])
     on_cuda = device.type == "cuda"
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, capturable=on_cuda, fused=on_cuda)
-    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
-    loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
-    update = make_update(args, agent, target_critic, optimizer, dataset, generators["sample"], lambda_depth,
+    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=on_cuda, fused=on_cuda)
+    update = make_update(args, network, target_critic, optimizer, dataset, generators["sample"], lambda_depth,
                          loss_sums, compile_losses=args.compile and on_cuda)
 
     # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network was given, then FlexLoop. An iteration
@@ -1251,7 +1254,7 @@ def train(args: Args):
     pretrain_steps = 0 if run.init is not None else args.pretrain_steps
     phases = [("pretrain", pretrain_steps, 0.0),
               ("flexloop", args.total_steps, args.lambda_depth)]
-    parts = {"model": agent, "target_model": target_critic, "optimizer": optimizer}
+    parts = {"model": network, "target_model": target_critic, "optimizer": optimizer}
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=1, updates_per_iteration=1,
               progress="updates")
     graphed_update, eval_env = None, None  # the evaluation vector env is made at the first evaluation, then kept
@@ -1274,7 +1277,7 @@ def train(args: Args):
                 run.log({"charts/lambda_depth": lam})
             if args.eval_episodes > 0 and run.evaluate_due():
                 eval_env = eval_env or make_eval_vector_env(args.env_name, args.eval_envs, args.eval_async)
-                run.evaluate(evaluate, agent.actor, eval_env, args.eval_episodes, device, seed=args.seed + 1000)
+                run.evaluate(evaluate, network.actor, eval_env, args.eval_episodes, device, seed=args.seed + 1000)
             run.save_due()
         if eval_env is not None:
             eval_env.close()

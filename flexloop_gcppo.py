@@ -205,7 +205,7 @@ class Args(PerformanceArgs, EvaluationArgs, FlexLoopArgs, AlgorithmArgs, Network
 ENV_FLAG = "env_id"  # the flag naming the env: run names, checkpoints and --init-checkpoint checks read it
 RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug")  # --resume takes these as given
 ALGORITHM = "gcppo"
-NETWORK_FLAGS = ("depth", "hidden_dim", "iru_variant", "backbone")  # an --init-checkpoint must match these
+NETWORK_FLAGS = ("depth", "hidden_dim", "iru_variant", "backbone")  # an --init-checkpoint must match
 CHECKPOINT_PARTS = ("model", "teacher_model", "optimizer")  # the state dicts in a checkpoint (no teacher: None)
 GPU_SIZED_FLAGS = ("num_envs", "num_steps", "pretrain_timesteps", "total_timesteps")  # their defaults need a GPU
 PRETRAINING_ONLY = dict(lambda_depth=0.0, total_timesteps=0, init_checkpoint=None)  # what iru_pretrain.py fixes
@@ -266,7 +266,7 @@ class IRUActorCritic(nn.Module):
         x     = clip((concat[obs, goal] - running mean) / running std)     (40 inputs)
         x_emb = LayerNorm(Linear(x))
         z     = LayerNorm(concat[x_emb, h])            (paper variant: concat[x_emb, tanh(c)])
-        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))
+        f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))      (forget-gate bias initialised to +1)
         c     = f * c + (1 - f) * i
         h     = h + tanh(c)                              (residual across steps)
         logits_k = Actor(h),  V_k = Value(h)             (paper variant: read c)
@@ -408,21 +408,6 @@ class LSTMActorCritic(IRUActorCritic):
         return x_emb, c, h
 
 
-def init_like_flax(network):
-    """flax.linen's default init, as the authors' code leaves it: every Linear kernel lecun_normal (a normal of
-    variance 1 / fan_in truncated at 2 standard deviations), every bias 0; then the forget-gate bias +1 again."""
-    with torch.no_grad():
-        for layer in network.modules():
-            if isinstance(layer, nn.Linear):
-                std = (1 / layer.in_features) ** 0.5 / 0.87962566103423978  # flax's truncation correction
-                nn.init.trunc_normal_(layer.weight, std=std, a=-2 * std, b=2 * std)
-                nn.init.zeros_(layer.bias)
-        forget = slice(network.hidden_dim, 2 * network.hidden_dim) if isinstance(network, LSTMActorCritic) \
-            else slice(0, network.hidden_dim)
-        network.gates.bias[forget] = 1.0
-    return network
-
-
 def build_network(args: Args, device):
     if args.backbone == "lstm":
         network = LSTMActorCritic(args.depth, args.hidden_dim, args.obs_clip)
@@ -437,6 +422,21 @@ def network_from_checkpoint(checkpoint, device="cpu"):
     network = build_network(args, device)
     network.load_state_dict(checkpoint["model"])
     return network, args
+
+
+def init_like_flax(network):
+    """flax.linen's default init, as the authors' code leaves it: every Linear kernel lecun_normal (a normal of
+    variance 1 / fan_in truncated at 2 standard deviations), every bias 0; then the forget-gate bias +1 again."""
+    with torch.no_grad():
+        for layer in network.modules():
+            if isinstance(layer, nn.Linear):
+                std = (1 / layer.in_features) ** 0.5 / 0.87962566103423978  # flax's truncation correction
+                nn.init.trunc_normal_(layer.weight, std=std, a=-2 * std, b=2 * std)
+                nn.init.zeros_(layer.bias)
+        forget = slice(network.hidden_dim, 2 * network.hidden_dim) if isinstance(network, LSTMActorCritic) \
+            else slice(0, network.hidden_dim)
+        network.gates.bias[forget] = 1.0
+    return network
 
 
 def frozen_copy(network):
@@ -1210,20 +1210,20 @@ def train(args: Args):
     run = Run(args)  # the flags checked (a resumed run's own), checkpoints read, the device picked, seeds set
     args, device = run.args, run.device
     env, eval_envs = make_envs(args, device)
-    generators = {"actions": torch.Generator(device).manual_seed(args.seed),
-                  "minibatch": torch.Generator(device).manual_seed(args.seed + 1),
-                  "env": env.generator}
     network = build_network(args, device)
     if run.init is not None:
         network.load_state_dict(run.init["model"])
+    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
+    loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
+    generators = {"actions": torch.Generator(device).manual_seed(args.seed),
+                  "minibatch": torch.Generator(device).manual_seed(args.seed + 1),
+                  "env": env.generator}
     # The teacher of the FlexLoop phase's value targets: the --init-checkpoint model, else made at the switch.
     has_teacher = run.init is not None or (run.checkpoint or {}).get("teacher_model") is not None
     teacher = frozen_copy(network) if has_teacher else None  # a resumed run's is loaded into it
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, eps=args.adam_eps,
                                  capturable=device.type == "cuda")
     buffers = make_rollout_buffers(args.num_steps, args.num_envs, device)
-    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
-    loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
     batch_size = args.num_envs * args.num_steps
     minibatch_index = torch.zeros(batch_size // args.num_minibatches, dtype=torch.long, device=device)
     episode_sums = torch.zeros(4, device=device)  # finished episodes: count, successes, returns, lengths
