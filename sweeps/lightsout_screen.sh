@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Screen the authors' PPO choices on LightsOut-4x5 (issue 16): IRU-5 GC-PPO pretraining at the reference budget
 # (50M env steps), 3 seeds per variant, every run of the call in the background on one GPU. Each variant switches
-# one flag to the authors' choice; "reference" switches the issue's four at once.
+# one choice of CleanRL's to the authors'; "reference" switches the issue's four at once.
 #
 #   bash sweeps/lightsout_screen.sh GPU VARIANT...        e.g.  bash sweeps/lightsout_screen.sh 0 hard-reset
 #   SEEDS="1 2" EVAL_EVERY=8 EXTRA="--track --wandb-group screen" bash sweeps/lightsout_screen.sh 1 reference
@@ -12,23 +12,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The screen ran against the defaults of its time, CleanRL's choices ("cleanrl"). Since then the defaults are the
+# authors' hard resets, per-rollout advantages and time rows ("authors-neutral"; README, LightsOut screen), so
+# every variant spells out those three flags: each reruns what ran.
 declare -A VARIANT_FLAGS=(
   [defaults]=""
-  [hard-reset]="--hard-reset-every 3"
-  [adv-rollout]="--advantage-norm rollout"
-  [time-rows]="--minibatch-layout time-rows"
-  [norm-before]="--obs-norm-update before-epochs"
-  [timeout-zero]="--timeout-bootstrap zero"
+  [cleanrl]="--hard-reset-every 0 --advantage-norm minibatch --minibatch-layout rows"
+  [hard-reset]="--hard-reset-every 3 --advantage-norm minibatch --minibatch-layout rows"
+  [adv-rollout]="--hard-reset-every 0 --advantage-norm rollout --minibatch-layout rows"
+  [time-rows]="--hard-reset-every 0 --advantage-norm minibatch --minibatch-layout time-rows"
+  [norm-before]="--hard-reset-every 0 --advantage-norm minibatch --minibatch-layout rows --obs-norm-update before-epochs"
+  [timeout-zero]="--hard-reset-every 0 --advantage-norm minibatch --minibatch-layout rows --timeout-bootstrap zero"
   [reference]="--hard-reset-every 3 --advantage-norm rollout --minibatch-layout time-rows --obs-norm-update before-epochs"
   [reference-timeout]="--hard-reset-every 3 --advantage-norm rollout --minibatch-layout time-rows --obs-norm-update before-epochs --timeout-bootstrap zero"
   # the authors' PPO loss: unclipped value loss, no gradient clipping (issue 16, item 3)
-  [ref-loss]="--no-clip-vloss --max-grad-norm inf"
+  [ref-loss]="--hard-reset-every 0 --advantage-norm minibatch --minibatch-layout rows --no-clip-vloss --max-grad-norm inf"
   # the authors' initialisation (flax defaults) and Adam epsilon (issue 16, item 3)
-  [flax-init]="--init flax --adam-eps 1e-8"
-  # the authors' choice wherever ours showed no gain in the first screen (README, LightsOut): the candidate defaults
+  [flax-init]="--hard-reset-every 0 --advantage-norm minibatch --minibatch-layout rows --init flax --adam-eps 1e-8"
+  # the authors' choice wherever ours showed no gain in the first screen
   [candidate]="--hard-reset-every 3 --advantage-norm rollout --minibatch-layout time-rows --init flax --adam-eps 1e-8"
-  # the authors' three choices that were neutral alone (hard resets, per-rollout advantages, time rows), with our
-  # loss and init, which the screen kept: the next candidate defaults
+  # the authors' three choices that were neutral alone, with our loss and init: today's defaults
   [authors-neutral]="--hard-reset-every 3 --advantage-norm rollout --minibatch-layout time-rows"
 )
 
