@@ -1197,8 +1197,8 @@ def figure_pareto(evaluations, plt):
     renderer = fig.canvas.get_renderer()
     left_out = sum(place_eps_labels(ax, points, renderer, []) for ax, points in labels.items())
     shared = any(text.get_color() == SHARED_LABEL_COLOR for ax in labels for text in ax.texts)
-    notes = (["grey: the same eps on several checkpoints"] if shared else []) + \
-        ([f"{left_out} eps labels left out to avoid overlaps; every point is in results.json"] if left_out else [])
+    notes = (["grey: eps shared by checkpoints"] if shared else []) + \
+        ([f"{left_out} eps labels hidden to avoid overlaps, all in results.json"] if left_out else [])  # one line
     title.set_text(title.get_text().strip() + (f"\n({'; '.join(notes)})" if notes else ""))
     return fig
 
