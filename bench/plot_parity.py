@@ -34,6 +34,9 @@ def main():
     parser.add_argument("--labels", nargs="+", required=True)
     parser.add_argument("--updates-per-step", type=float, default=1000 / (1024 * 100),
                         help="updates per global_step (env step); GC-DQN's default: 1,000 updates per 102,400 steps")
+    parser.add_argument("--env-steps", action="store_true",
+                        help="x axis in millions of env steps (GC-PPO runs) instead of thousands of updates")
+    parser.add_argument("--episodes", default="1,024", help="episodes per split of the runs' evaluations (y label)")
     parser.add_argument("--paper", type=float, nargs=2, metavar=("TRAIN", "UNSEEN"),
                         help="the paper's full-depth success on each split, drawn as dashed lines")
     parser.add_argument("--title", default="")
@@ -47,18 +50,19 @@ def main():
     colours = plt.cm.viridis([k / max(1, depth - 1) for k in range(depth)])
     for axis, split in zip(axes, ["train", "unseen"]):
         for (label, records), style in zip(runs.items(), itertools.cycle(styles)):  # every run, styles repeat
-            updates = [r["global_step"] * cli.updates_per_step / 1000 for r in records]
+            x = [r["global_step"] / 1e6 if cli.env_steps else r["global_step"] * cli.updates_per_step / 1000
+                 for r in records]
             for k in range(1, depth + 1):
-                axis.plot(updates, [r[f"eval/{split}/success_depth_{k}"] for r in records], style, marker="o",
+                axis.plot(x, [r[f"eval/{split}/success_depth_{k}"] for r in records], style, marker="o",
                           markersize=3, color=colours[k - 1], label=f"{label}, depth {k}" if k in (depth - 1, depth)
                           else None)
         if cli.paper:
             axis.axhline(cli.paper[split == "unseen"], color="black", linestyle="--", linewidth=1,
                          label="paper, full depth" if split == "unseen" else None)
-        axis.set_xlabel("updates (thousands)")
+        axis.set_xlabel("env steps (millions)" if cli.env_steps else "updates (thousands)")
         axis.set_title(f"{split} tasks")
         axis.grid(alpha=0.3)
-    axes[0].set_ylabel("success (1,024 episodes)")
+    axes[0].set_ylabel(f"success ({cli.episodes} episodes)")
     axes[1].legend(fontsize=7, loc="upper left")
     figure.suptitle(cli.title or "per-depth success, same seed and protocol (colour: depth, line style: run)")
     figure.tight_layout()
