@@ -200,6 +200,11 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
         self._row_move = torch.tensor([m[0] for m in MOVES], device=self.device)
         self._col_move = torch.tensor([m[1] for m in MOVES], device=self.device)
         self._quadrant_cells = torch.tensor(QUADRANT_CELLS, device=self.device)
+        # Each cell's quadrant and its slot in QUADRANT_CELLS, so that tasks are built cell by cell (no scatter).
+        self._cell_quadrant = torch.tensor([q for c in range(NUM_CELLS) for q in range(4) if c in QUADRANT_CELLS[q]],
+                                           device=self.device)
+        self._cell_slot = torch.tensor([QUADRANT_CELLS[q].index(c) for c, q in enumerate(self._cell_quadrant.tolist())],
+                                       device=self.device)
         pairs = TRAIN_QUADRANT_PAIRS if split == "train" else UNSEEN_QUADRANT_PAIRS
         self._quadrant_pairs = torch.tensor(pairs, device=self.device)
         self._env_index = torch.arange(num_envs, device=self.device)
@@ -231,10 +236,11 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
         return torch.rand(n, self._noise_width(), generator=self.generator, device=self.device)
 
     @staticmethod
-    def _smallest(draws, k):
-        """Per row, the k smallest of the uniform draws: the cells below the k-th form a uniformly random
-        k-subset, ordered by draw (topk is much cheaper than a full shuffle)."""
-        return torch.topk(draws, k, dim=1, largest=False).values
+    def _ranks(draws):
+        """Per row, how many draws are smaller than each one. `ranks < k` marks the k smallest draws: a uniformly
+        random k-subset. Counted pairwise rather than with topk or a sort, so that torch.compile fuses it into
+        the step's other kernels (the same cells as `draws <= k-th smallest`, ties included)."""
+        return (draws[:, None, :] < draws[:, :, None]).sum(-1)
 
     @staticmethod
     def _uniform_int(u, k):
@@ -255,12 +261,9 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
         num_moving = num_boxes if self.split == "unseen" else self.settings["num_moving"]
         # Shuffle the cells: the first num_boxes hold boxes, the first (num_boxes - num_moving) of those
         # already sit on targets, and the next num_moving cells are the free targets.
-        draws = noise[:, :NUM_CELLS]
-        smallest = self._smallest(draws, num_boxes + num_moving)
-        def first(k):  # the first k cells of the shuffle
-            return draws <= smallest[:, k - 1:k] if k > 0 else torch.zeros_like(draws, dtype=torch.bool)
-        box = first(num_boxes)
-        target = first(num_boxes - num_moving) | (first(num_boxes + num_moving) & ~box)
+        ranks = self._ranks(noise[:, :NUM_CELLS])  # the cells' places in the shuffle
+        box = ranks < num_boxes
+        target = (ranks < num_boxes - num_moving) | ((ranks < num_boxes + num_moving) & ~box)
         agent_start = self._uniform_int(noise[:, NUM_CELLS], NUM_CELLS)
         allowed = torch.ones(n, NUM_CELLS, dtype=torch.bool, device=self.device)
         return box, target, agent_start, allowed
@@ -268,20 +271,17 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
     def _sample_exact(self, noise):
         n = noise.shape[0]
         num_boxes = self.settings["num_boxes"]
-        pair = self._quadrant_pairs[self._uniform_int(noise[:, 0], len(self._quadrant_pairs))]
-        box_cells = self._quadrant_cells[pair[:, 0]]  # (n, 9)
-        target_cells = self._quadrant_cells[pair[:, 1]]
+        pair = self._quadrant_pairs[self._uniform_int(noise[:, 0], len(self._quadrant_pairs))]  # (n, 2)
         box_draws, target_draws = noise[:, 1:1 + QUADRANT_SIZE], noise[:, 1 + QUADRANT_SIZE:1 + 2 * QUADRANT_SIZE]
-        box_smallest, target_smallest = self._smallest(box_draws, num_boxes), self._smallest(target_draws, num_boxes)
-        box = torch.zeros(n, NUM_CELLS, dtype=torch.bool, device=self.device)
-        target = torch.zeros_like(box)
-        box.scatter_(1, box_cells, box_draws <= box_smallest[:, -1:])
-        target.scatter_(1, target_cells, target_draws <= target_smallest[:, -1:])
+        # A cell holds a box if it lies in the box quadrant and its slot there has one of the num_boxes smallest
+        # draws; targets likewise.
+        in_box_quadrant = self._cell_quadrant == pair[:, :1]  # (n, 36)
+        in_target_quadrant = self._cell_quadrant == pair[:, 1:]
+        box = in_box_quadrant & (self._ranks(box_draws) < num_boxes)[:, self._cell_slot]
+        target = in_target_quadrant & (self._ranks(target_draws) < num_boxes)[:, self._cell_slot]
         agent_in_quadrant = self._uniform_int(noise[:, -1], QUADRANT_SIZE)
-        agent_start = torch.gather(box_cells, 1, agent_in_quadrant[:, None])[:, 0]
-        allowed = torch.zeros_like(box)
-        allowed.scatter_(1, box_cells, True)
-        allowed.scatter_(1, target_cells, True)
+        agent_start = self._quadrant_cells[pair[:, 0], agent_in_quadrant]
+        allowed = in_box_quadrant | in_target_quadrant
         # The quarter filter keeps the agent inside the bounding box of the two quadrants.
         rows, cols = allowed.view(n, GRID_SIZE, GRID_SIZE).any(2), allowed.view(n, GRID_SIZE, GRID_SIZE).any(1)
         allowed = (rows[:, :, None] & cols[:, None, :]).view(n, NUM_CELLS)
