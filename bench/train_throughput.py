@@ -99,14 +99,15 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes, all_act
               "updates_per_second": round(num_updates / elapsed, 1),
               "td_loss_mean": round(loss_sums[0].item() / max(1, num_updates), 5)}
     if profile and device.type == "cuda":
-        result["largest_costs"] = profile_kernels(update, device)
+        result["largest_costs"], result["kernels_per_update"] = profile_kernels(update, device)
         if mode == "compile":  # not captured, so the profiler still sees which op launched each kernel
             result["largest_ops"] = profile_ops(update, device)
     return result
 
 
-def profile_kernels(update, device, updates=20, top=3):
-    """The `top` GPU kernels by total time over `updates` updates, with their share of the GPU time."""
+def profile_kernels(update, device, updates=20, top=8):
+    """The `top` GPU kernels by total time over `updates` updates, with their share of the GPU time, and how many
+    kernels one update launches."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(updates):
@@ -115,11 +116,12 @@ def profile_kernels(update, device, updates=20, top=3):
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] or list(prof.key_averages())
     total = sum(e.self_device_time_total for e in events)
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    return [{"kernel": e.key[:90], "share": round(e.self_device_time_total / total, 3),
-             "us_per_update": round(e.self_device_time_total / updates, 1)} for e in events[:top]]
+    largest = [{"kernel": e.key[:90], "share": round(e.self_device_time_total / total, 3),
+                "us_per_update": round(e.self_device_time_total / updates, 1)} for e in events[:top]]
+    return largest, round(sum(e.count for e in events) / updates, 1)
 
 
-def profile_ops(update, device, updates=20, top=5):
+def profile_ops(update, device, updates=20, top=8):
     """The `top` operators by the GPU time of the kernels they launch themselves, with their input shapes: where
     a kernel of `largest_costs` comes from (an ATen kernel between inductor's Triton kernels is a fallback op)."""
     from torch.profiler import ProfilerActivity, profile
@@ -146,7 +148,7 @@ if __name__ == "__main__":
     parser.add_argument("--fill-episodes", type=int, default=4)
     parser.add_argument("--collect-episodes", type=int, default=5)
     parser.add_argument("--bf16", action="store_true", help="the updates' forward passes under bf16 autocast")
-    parser.add_argument("--profile", action="store_true", help="also report the 3 largest GPU kernels per measurement")
+    parser.add_argument("--profile", action="store_true", help="also report the 8 largest GPU kernels per measurement (and, in compile mode, the ops behind them)")
     parser.add_argument("--skip-collection", action="store_true")
     parser.add_argument("--paths", nargs="+", default=["taken", "all-actions", "flexloop"],
                         help="taken (lambda 0, taken action), all-actions (lambda 0, the path before), flexloop (lambda 1)")
