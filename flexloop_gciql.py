@@ -255,7 +255,7 @@ class EnsembleLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_members, 1, out_features).uniform_(-bound, bound))
 
     def forward(self, x):
-        # bmm, then + bias: baddbmm would first copy the broadcast bias into a full-size output (12% of the
+        # bmm, then + bias: baddbmm would first copy the broadcast bias into a full-size output (12% of GC-DQN's
         # compiled update, BENCHMARKS.md), while an add is fused into the kernels that read the result.
         return (torch.bmm(x.flatten(1, -2), self.weight) + self.bias).view(*x.shape[:-1], -1)
 

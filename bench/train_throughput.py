@@ -148,7 +148,8 @@ if __name__ == "__main__":
     parser.add_argument("--fill-episodes", type=int, default=4)
     parser.add_argument("--collect-episodes", type=int, default=5)
     parser.add_argument("--bf16", action="store_true", help="the updates' forward passes under bf16 autocast")
-    parser.add_argument("--profile", action="store_true", help="also report the 8 largest GPU kernels per measurement (and, in compile mode, the ops behind them)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also report the 8 largest GPU kernels per measurement (compile mode: the ops behind them)")
     parser.add_argument("--skip-collection", action="store_true")
     parser.add_argument("--paths", nargs="+", default=["taken", "all-actions", "flexloop"],
                         help="taken (lambda 0, taken action), all-actions (lambda 0, the path before), flexloop (lambda 1)")
