@@ -387,16 +387,16 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
         box = (box & ~pick) | put
         carrying = (carrying | pick) & ~put
 
-        # Leave the old cell (re-coded without agent), then enter the new one (carrying kept).
+        # Leave the old cell (re-coded without agent), then enter the new one (carrying kept). Only these two cells
+        # change; they are written with one elementwise pass over the grid (no scatter), which the compiler fuses.
         no = torch.zeros_like(box)
-        left_cell = encode(box, target, no, no)
-        stayed_cell = encode(box, target, ~no, carrying)
-        grid = self.grid.clone()
-        grid[self._env_index, self.agent_pos] = torch.where(new_pos == self.agent_pos, stayed_cell, left_cell)
-        dest_box, dest_target, _, _ = decode(grid[self._env_index, new_pos])
+        stayed = new_pos == self.agent_pos
+        old_cell = torch.where(stayed, encode(box, target, ~no, carrying), encode(box, target, no, no))
+        dest_box, dest_target, _, _ = decode(torch.where(stayed, old_cell, self.grid[self._env_index, new_pos]))
         entered_cell = encode(dest_box, dest_target, ~no, carrying)
-        grid[self._env_index, new_pos] = entered_cell
-        self.grid.copy_(grid)
+        cells = torch.arange(NUM_CELLS, device=self.device)
+        self.grid.copy_(torch.where(cells == new_pos[:, None], entered_cell[:, None],
+                                    torch.where(cells == self.agent_pos[:, None], old_cell[:, None], self.grid)))
         self.agent_pos.copy_(new_pos)
         self.steps += 1
 

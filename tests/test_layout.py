@@ -293,13 +293,15 @@ def test_iru_pretrain_help_exits_0_and_shows_the_values_it_really_uses():
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.glob("carry/*/latest.pt")) or [None])
-def test_a_carried_long_run_checkpoint_of_the_first_format_resumes(path):
-    """runs.md's long runs were started before the one layout: their carried latest.pt must still resume."""
+def test_every_carried_long_run_checkpoint_resumes(path):
+    """runs.md's long runs continue across sessions from carry/: each latest.pt (the first ones written before the
+    one layout, in the first format) must load into its own script's network and optimiser."""
     if path is None:
         pytest.skip("no carried checkpoint in carry/")
-    checkpoint = gcdqn.load_checkpoint(path)
-    args = gcdqn.resumed_args(checkpoint, gcdqn.Args(resume=str(path)))
-    network = gcdqn.build_network(args, "cpu")
+    module = {"gcdqn": gcdqn, "gcppo": gcppo, "gciql": gciql}[gcdqn.read_checkpoint_file(path)["algorithm"]]
+    checkpoint = module.load_checkpoint(path)
+    args = module.resumed_args(checkpoint, module.Args(resume=str(path)))
+    network = module.build_network(args, "cpu")
     network.load_state_dict(checkpoint["model"])
     torch.optim.Adam(network.parameters()).load_state_dict(checkpoint["optimizer"])
-    assert checkpoint["iteration"] > 0 and checkpoint["script"] == "flexloop_gcdqn"
+    assert checkpoint["iteration"] > 0 and checkpoint["script"] == module.SCRIPT
