@@ -262,7 +262,8 @@ class EnsembleLinear(nn.Module):
     def forward(self, x):
         # bmm, then + bias: baddbmm would first copy the broadcast bias into a full-size output (12% of the
         # compiled update, BENCHMARKS.md), while an add is fused into the kernels that read the result.
-        return (torch.bmm(x.flatten(1, -2), self.weight) + self.bias).view(*x.shape[:-1], -1)
+        out = torch.bmm(x.flatten(1, -2), self.weight)
+        return (out + self.bias.to(out.dtype)).view(*x.shape[:-1], -1)  # bf16 stays bf16 under --bf16
 
 
 class EnsembleLayerNorm(nn.Module):
@@ -322,7 +323,8 @@ class IRUQNetwork(nn.Module):
             state_goal = F.one_hot(state_goal.long(), NUM_CODES).flatten(1)
         state_goal = state_goal.float()  # by default the codes as numbers, as in the reference
         sg_weight, action_weight = self.embed.weight[:, :-self.num_actions], self.embed.weight[:, -self.num_actions:]
-        x = torch.bmm(state_goal.expand(self.num_critics, -1, -1), sg_weight) + self.embed.bias  # (E, B, d)
+        x = torch.bmm(state_goal.expand(self.num_critics, -1, -1), sg_weight)
+        x = x + self.embed.bias.to(x.dtype)  # (E, B, d)
         if action is None:
             x = x[:, :, None, :] + action_weight[:, None, :, :]  # (E, B, A, d)
         else:
