@@ -766,13 +766,18 @@ def args_from_checkpoint(checkpoint, path="the checkpoint"):
     return Args(**checkpoint["args"])
 
 
+MACHINE_FLAGS = ("cuda", "require_cuda", "debug")  # a resumed run takes these from the command line
+
+
 def resumed_args(checkpoint, given):
-    """A resumed run keeps its own flags. Only RESUME_FLAGS come from the command line, and only where given."""
+    """A resumed run keeps its own flags. Only RESUME_FLAGS come from the command line: the machine's
+    (MACHINE_FLAGS) always, since they describe where it runs now, the others only where given."""
     missing = [k for k in ("run_name", *CHECKPOINT_PARTS, "rng", "global_step", "updates") if k not in checkpoint]
     if missing:
         raise ValueError(f"--resume {given.resume} lacks {missing}, which resuming needs; start a new run from its "
                          "weights with --init-checkpoint instead")
-    overrides = {name: getattr(given, name) for name in RESUME_FLAGS if getattr(given, name) != getattr(Args(), name)}
+    overrides = {name: getattr(given, name) for name in RESUME_FLAGS
+                 if name in MACHINE_FLAGS or getattr(given, name) != getattr(Args(), name)}
     return replace(args_from_checkpoint(checkpoint, given.resume), **overrides)
 
 
@@ -925,6 +930,16 @@ def check_finite(metrics, updates):
                                      "stopping. The last checkpoint written (latest.pt) is from before this.")
 
 
+def on_this_device(state_dict, part):
+    """An optimiser's state with this device's settings (Adam's capturable and fused flags), so that a run can move
+    between a GPU and a CPU; any other part's state as it is."""
+    if "param_groups" not in state_dict:
+        return state_dict
+    groups = [{**saved, **{key: now[key] for key in ("capturable", "fused") if key in now}}
+              for saved, now in zip(state_dict["param_groups"], part.param_groups)]
+    return {**state_dict, "param_groups": groups}
+
+
 def rng_state(generators):
     state = {"python": random.getstate()[1], "numpy": np.random.get_state()[1].tolist(), "torch": torch.get_rng_state()}
     state.update({name: g.get_state() for name, g in generators.items()})
@@ -936,8 +951,16 @@ def set_rng_state(state, generators):
     np_state = np.random.get_state()
     np.random.set_state((np_state[0], np.array(state["numpy"], dtype=np.uint32), *np_state[2:]))
     torch.set_rng_state(state["torch"])
+    moved = []
     for name, g in generators.items():
-        g.set_state(state[name])
+        if state[name].numel() == g.get_state().numel():
+            g.set_state(state[name])
+        else:  # saved on another kind of device (a GPU run resumed on a CPU, or back): that stream cannot go on here
+            g.manual_seed(int(state[name].long().sum()))
+            moved.append(name)
+    if moved:
+        print(f"note: the random streams {moved} were saved on another kind of device; they restart from a seed "
+              "taken from the saved state, so the run goes on, but not draw for draw as it would have there")
 
 
 class StopSignals:
@@ -1061,7 +1084,7 @@ class Run:
         if checkpoint is not None:
             for name, part in parts.items():
                 if part is not None and checkpoint.get(name) is not None:
-                    part.load_state_dict(checkpoint[name])
+                    part.load_state_dict(on_this_device(checkpoint[name], part))
             set_rng_state(checkpoint["rng"], generators)
             self.iteration, self.global_step, self.updates = (checkpoint[k] for k in ("iteration", "global_step",
                                                                                        "updates"))

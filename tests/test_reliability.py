@@ -495,3 +495,49 @@ def test_a_resumed_run_projects_its_time_only_after_two_iterations_of_its_own(sc
     run.iteration = 102
     run.tick(1)
     assert run.projected
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_resumed_run_takes_the_machine_flags_from_the_command_line(script):
+    """A run started with --require-cuda on a GPU machine must resume on a CPU without it: the machine flags
+    describe where a run goes on, not the run (the others, e.g. --save-every-minutes, stay the run's own)."""
+    module = SCRIPTS[script]
+    checkpoint = {"args": {"require_cuda": True, "cuda": False, "save_every_minutes": 2.0}, "run_name": "r",
+                  "rng": {}, "global_step": 1, "updates": 1, **{part: {} for part in module.CHECKPOINT_PARTS}}
+    args = module.resumed_args(checkpoint, module.Args(resume="latest.pt"))
+    assert (args.require_cuda, args.cuda, args.save_every_minutes) == (False, True, 2.0)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_random_streams_saved_on_another_kind_of_device_restart_from_a_seed(script, capsys):
+    """A CUDA generator's state (16 bytes) does not fit a CPU generator: the stream restarts from a seed taken from
+    the saved state, the same one every time, and the run says so. A state of the same kind is restored exactly."""
+    module = SCRIPTS[script]
+    same, other = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    saved = module.rng_state({"same": same})
+    saved["other"] = torch.arange(16, dtype=torch.uint8)  # what a CUDA generator's get_state() returns
+    expected_same = torch.rand(3, generator=same)
+    module.set_rng_state(saved, {"same": same, "other": other})
+    assert torch.equal(torch.rand(3, generator=same), expected_same)
+    first = torch.rand(3, generator=other)
+    module.set_rng_state(saved, {"same": same, "other": other})
+    assert torch.equal(torch.rand(3, generator=other), first)
+    assert "['other'] were saved on another kind of device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_optimiser_state_from_a_gpu_run_loads_with_this_devices_settings(script):
+    """Adam's capturable flag (on for CUDA graphs) saved by a GPU run must not follow the state onto a CPU, where
+    a capturable Adam refuses to step."""
+    module = SCRIPTS[script]
+    weight = torch.nn.Parameter(torch.ones(3))
+    on_gpu = torch.optim.Adam([weight], capturable=False)
+    weight.grad = torch.ones(3)
+    on_gpu.step()
+    saved = on_gpu.state_dict()
+    saved["param_groups"][0]["capturable"] = True  # as a GPU run writes it
+    here = torch.optim.Adam([weight], capturable=False)
+    here.load_state_dict(module.on_this_device(saved, here))
+    here.step()
+    assert here.param_groups[0]["capturable"] is False and here.state[weight]["step"].item() == 2
+    assert module.on_this_device({"w": 1}, torch.nn.Linear(1, 1)) == {"w": 1}  # any other part: as it is
