@@ -26,11 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexloop_gciql as gciql  # noqa: E402
 from envs import ogbench_data  # noqa: E402
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+from profiling import profile_kernels, sync  # noqa: E402
 
 
 def synthetic_dataset(env_name, states, trajectory_length, device):
@@ -49,7 +45,7 @@ def synthetic_dataset(env_name, states, trajectory_length, device):
                                   actor_geom_sample=spec.actor_geom_sample)
 
 
-def measure_updates(args, dataset, device, mode, lam, num_updates):
+def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False):
     torch.manual_seed(0)
     agent = gciql.build_network(args, device)
     target_critic = gciql.build_network(args, device).critic
@@ -77,9 +73,13 @@ def measure_updates(args, dataset, device, mode, lam, num_updates):
     sync(device)
     elapsed = time.perf_counter() - start
     means = (loss_sums / num_updates).tolist()
-    return {"what": "updates", "mode": mode, "lambda_depth": lam, "updates_per_second": round(num_updates / elapsed, 1),
-            "minutes_per_1M_updates": round(1e6 * elapsed / num_updates / 60, 1),
-            "critic_loss": round(means[1], 5), "depth_kl": round(means[3], 5)}
+    result = {"what": "updates", "mode": mode, "lambda_depth": lam,
+              "updates_per_second": round(num_updates / elapsed, 1),
+              "minutes_per_1M_updates": round(1e6 * elapsed / num_updates / 60, 1),
+              "critic_loss": round(means[1], 5), "depth_kl": round(means[3], 5)}
+    if profile and device.type == "cuda":
+        result["largest_costs"], result["kernels_per_update"] = profile_kernels(update, device)
+    return result
 
 
 def measure_evaluation(args, device, episodes, num_envs, async_envs):
@@ -119,6 +119,7 @@ if __name__ == "__main__":
     parser.add_argument("--eval-envs", type=int, default=50)
     parser.add_argument("--eval-async", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--bf16", action="store_true", help="the updates' network passes under bf16 autocast")
+    parser.add_argument("--profile", action="store_true", help="also report the 8 largest GPU kernels per measurement")
     cli = parser.parse_args()
     device = torch.device(cli.device)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -134,7 +135,7 @@ if __name__ == "__main__":
     for mode in modes:
         for lam in (0.0, args.lambda_depth):
             try:
-                result = measure_updates(args, dataset, device, mode, lam, cli.updates)
+                result = measure_updates(args, dataset, device, mode, lam, cli.updates, cli.profile)
             except Exception as error:  # report and go on to the next mode
                 result = {"what": "updates", "mode": mode, "lambda_depth": lam, "error": repr(error)[:400]}
             print(json.dumps({**result, **common}), flush=True)

@@ -24,15 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
+from profiling import profile_kernels, profile_ops, sync  # noqa: E402
 import flexloop_gcdqn as gcdqn  # noqa: E402
 
 
 OPTIMIZER_VARIANT = {"fused_adam": False, "grads_to_none": False}  # set from the command line (--fused-adam ...)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def setup(args, device):
@@ -103,37 +99,6 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes, all_act
         if mode == "compile":  # not captured, so the profiler still sees which op launched each kernel
             result["largest_ops"] = profile_ops(update, device)
     return result
-
-
-def profile_kernels(update, device, updates=20, top=8):
-    """The `top` GPU kernels by total time over `updates` updates, with their share of the GPU time, and how many
-    kernels one update launches."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(updates):
-            update()
-        sync(device)
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] or list(prof.key_averages())
-    total = sum(e.self_device_time_total for e in events)
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    largest = [{"kernel": e.key[:90], "share": round(e.self_device_time_total / total, 3),
-                "us_per_update": round(e.self_device_time_total / updates, 1)} for e in events[:top]]
-    return largest, round(sum(e.count for e in events) / updates, 1)
-
-
-def profile_ops(update, device, updates=20, top=8):
-    """The `top` operators by the GPU time of the kernels they launch themselves, with their input shapes: where
-    a kernel of `largest_costs` comes from (an ATen kernel between inductor's Triton kernels is a fallback op)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        for _ in range(updates):
-            update()
-        sync(device)
-    ops = [e for e in prof.key_averages(group_by_input_shape=True)
-           if e.device_type.name == "CPU" and e.self_device_time_total > 0]
-    ops.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    return [{"op": e.key[:90], "shapes": str(e.input_shapes)[:160], "calls_per_update": e.count / updates,
-             "us_per_update": round(e.self_device_time_total / updates, 1)} for e in ops[:top]]
 
 
 if __name__ == "__main__":
