@@ -129,7 +129,11 @@ class AlgorithmArgs:
     init_alpha: float = 1.0
     """initial exploration temperature alpha (actions ~ softmax(Q / alpha))"""
     target_entropy: float = -1.1
-    """alpha's loss is (H + target_entropy)^2: drives the policy entropy to -target_entropy nats"""
+    """alpha's loss drives the policy entropy H to -target_entropy nats"""
+    alpha_loss: Literal["per-state", "batch-mean"] = "per-state"
+    """per-state: mean over the batch of (H(s) + target_entropy)^2, as the reference's dqn_interp.py; batch-mean:
+    (mean H + target_entropy)^2, this script's loss before 2026-11-26, which settles at a colder alpha (the long runs
+    of runs.md that started with it resume with it)"""
     replay_episodes: int = 100
     """episodes kept per env (100 x 100 steps = the reference's 10,000 steps per env)"""
     future_goal_fraction: float = 0.5
@@ -199,6 +203,7 @@ NETWORK_FLAGS = ("depth", "hidden_dim", "num_critics", "iru_variant", "obs_encod
 CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in a checkpoint
 GPU_SIZED_FLAGS = ("num_envs", "batch_size", "updates_per_rollout", "hidden_dim")  # their defaults need a GPU
 PRETRAINING_ONLY = dict(lambda_depth=0.0, num_epochs=0, init_checkpoint=None, teacher_checkpoint=None)  # iru_pretrain
+OLDER_CHECKPOINTS_RAN_WITH = {"alpha_loss": "batch-mean"}  # flags added since: what runs before them did
 
 
 def check_args(args: Args):
@@ -540,13 +545,16 @@ def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weigh
         with torch.no_grad(), autocast():
             target_q_next = target_network.all_depths(batch["next_obs"], goal)
         bellman = bellman_refinement_loss(q_taken, target_q_next, batch["reward"], args.gamma)
-    # Temperature: push the entropy of softmax(Q_K / alpha) towards -target_entropy.
+    # Temperature: push the entropy of softmax(Q_K / alpha) towards -target_entropy, state by state (the reference).
     q_full = q_per_depth[-1].mean(0).detach()
     log_policy = F.log_softmax(q_full / network.log_alpha.exp(), -1)
-    entropy = -(log_policy.exp() * log_policy).sum(-1).mean()
-    alpha = (entropy + args.target_entropy) ** 2
+    entropy = -(log_policy.exp() * log_policy).sum(-1)  # (B,)
+    if args.alpha_loss == "per-state":
+        alpha = ((entropy + args.target_entropy) ** 2).mean()
+    else:
+        alpha = (entropy.mean() + args.target_entropy) ** 2
     loss = td + lambda_depth * depth_kl + args.bellman_weight * bellman + alpha
-    return loss, dict(zip(LOSS_NAMES, (td, depth_kl, alpha, entropy, bellman)))
+    return loss, dict(zip(LOSS_NAMES, (td, depth_kl, alpha, entropy.mean(), bellman)))
 
 
 def make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums,
@@ -698,8 +706,8 @@ def format_eval(results, depth, iteration):
 # --- run plumbing: identical in every flexloop_*.py ---
 # Flags, run setup, checkpoints, the metrics log, RNG state, stop signals, progress and CUDA-graph capture. Nothing
 # here knows the algorithm: it reads the names defined above (Args, check_args, ALGORITHM, ENV_FLAG, NETWORK_FLAGS,
-# CHECKPOINT_PARTS, RESUME_FLAGS, GPU_SIZED_FLAGS, LOSS_NAMES, format_eval). Change the algorithm above and `train`
-# below; tests/test_layout.py keeps this block the same in every script.
+# CHECKPOINT_PARTS, RESUME_FLAGS, GPU_SIZED_FLAGS, OLDER_CHECKPOINTS_RAN_WITH, LOSS_NAMES, format_eval). Change the
+# algorithm above and `train` below; tests/test_layout.py keeps this block the same in every script.
 FLEXLOOP_SCRIPT = "flexloop-script-v1"  # this line marks a FlexLoop script: eval_adaptive.py imports no other file
 SCRIPT = Path(__file__).stem  # checkpoints name the script that wrote them
 CHECKPOINT_FORMAT = "flexloop-checkpoint-v2"
@@ -757,13 +765,14 @@ def pick_device(args):
 
 
 def args_from_checkpoint(checkpoint, path="the checkpoint"):
-    """The flags a checkpoint was trained with. Flags added since it was written take their defaults; flags this
-    script does not have mean another script wrote it."""
+    """The flags a checkpoint was trained with. Flags added since it was written take the value runs had before
+    them (OLDER_CHECKPOINTS_RAN_WITH), else their defaults; flags this script does not have mean another script
+    wrote it."""
     unknown = sorted(set(checkpoint["args"]) - {f.name for f in fields(Args)})
     if unknown:
         raise ValueError(f"{path} has flags {unknown} that {SCRIPT}.py does not know; it was written by "
                          f"{checkpoint.get('script', 'another script')}.py: use that script for it")
-    return Args(**checkpoint["args"])
+    return Args(**{**OLDER_CHECKPOINTS_RAN_WITH, **checkpoint["args"]})
 
 
 MACHINE_FLAGS = ("cuda", "require_cuda", "debug")  # a resumed run takes these from the command line

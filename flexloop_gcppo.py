@@ -213,6 +213,7 @@ NETWORK_FLAGS = ("depth", "hidden_dim", "iru_variant", "backbone")  # an --init-
 CHECKPOINT_PARTS = ("model", "teacher_model", "optimizer")  # the state dicts in a checkpoint (no teacher: None)
 GPU_SIZED_FLAGS = ("num_envs", "num_steps", "pretrain_timesteps", "total_timesteps")  # their defaults need a GPU
 PRETRAINING_ONLY = dict(lambda_depth=0.0, total_timesteps=0, init_checkpoint=None)  # what iru_pretrain.py fixes
+OLDER_CHECKPOINTS_RAN_WITH = {}  # flags added since a checkpoint was written: what runs before them did
 
 
 def check_args(args: Args):
@@ -669,8 +670,8 @@ def format_eval(results, depth, iteration):
 # --- run plumbing: identical in every flexloop_*.py ---
 # Flags, run setup, checkpoints, the metrics log, RNG state, stop signals, progress and CUDA-graph capture. Nothing
 # here knows the algorithm: it reads the names defined above (Args, check_args, ALGORITHM, ENV_FLAG, NETWORK_FLAGS,
-# CHECKPOINT_PARTS, RESUME_FLAGS, GPU_SIZED_FLAGS, LOSS_NAMES, format_eval). Change the algorithm above and `train`
-# below; tests/test_layout.py keeps this block the same in every script.
+# CHECKPOINT_PARTS, RESUME_FLAGS, GPU_SIZED_FLAGS, OLDER_CHECKPOINTS_RAN_WITH, LOSS_NAMES, format_eval). Change the
+# algorithm above and `train` below; tests/test_layout.py keeps this block the same in every script.
 FLEXLOOP_SCRIPT = "flexloop-script-v1"  # this line marks a FlexLoop script: eval_adaptive.py imports no other file
 SCRIPT = Path(__file__).stem  # checkpoints name the script that wrote them
 CHECKPOINT_FORMAT = "flexloop-checkpoint-v2"
@@ -728,13 +729,14 @@ def pick_device(args):
 
 
 def args_from_checkpoint(checkpoint, path="the checkpoint"):
-    """The flags a checkpoint was trained with. Flags added since it was written take their defaults; flags this
-    script does not have mean another script wrote it."""
+    """The flags a checkpoint was trained with. Flags added since it was written take the value runs had before
+    them (OLDER_CHECKPOINTS_RAN_WITH), else their defaults; flags this script does not have mean another script
+    wrote it."""
     unknown = sorted(set(checkpoint["args"]) - {f.name for f in fields(Args)})
     if unknown:
         raise ValueError(f"{path} has flags {unknown} that {SCRIPT}.py does not know; it was written by "
                          f"{checkpoint.get('script', 'another script')}.py: use that script for it")
-    return Args(**checkpoint["args"])
+    return Args(**{**OLDER_CHECKPOINTS_RAN_WITH, **checkpoint["args"]})
 
 
 MACHINE_FLAGS = ("cuda", "require_cuda", "debug")  # a resumed run takes these from the command line

@@ -427,3 +427,30 @@ def test_q_at_one_action_and_at_depth_k_match_the_all_action_pass():
         torch.testing.assert_close(network.all_depths(batch["obs"], batch["goal"], batch["action"])[..., 0],
                                    gcdqn.taken_action(q, batch["action"]))
         torch.testing.assert_close(network.full_depth(batch["obs"], batch["goal"]), q[-1])
+
+
+# ----- the temperature loss -----
+
+@pytest.mark.parametrize("alpha_loss", ["per-state", "batch-mean"])
+def test_temperature_loss_is_the_references_mean_of_per_state_squared_errors(alpha_loss):
+    """The reference (dqn_interp.py) averages (H(s) + target_entropy)^2 over states; squaring the batch's mean entropy
+    (batch-mean, this script's loss before) settles at a colder alpha. Both read Q at depth K, ensemble mean."""
+    args, network, target_network, batch = loss_setup(alpha_loss=alpha_loss, init_alpha=0.01)  # peaked policies
+    terms = terms_for(args, network, target_network, batch, phase="pretrain", lam=0.0)
+    with torch.no_grad():
+        q_full = network.all_depths(batch["obs"], batch["goal"])[-1].mean(0)
+    log_policy = F.log_softmax(q_full / network.log_alpha.exp(), -1)
+    entropy = -(log_policy.exp() * log_policy).sum(-1)  # per state
+    expected = ((entropy + args.target_entropy) ** 2).mean() if alpha_loss == "per-state" else \
+        (entropy.mean() + args.target_entropy) ** 2
+    torch.testing.assert_close(terms["alpha"], expected)
+    torch.testing.assert_close(terms["entropy"], entropy.mean())
+    assert entropy.std() > 0.01  # states differ, so the two forms differ here
+
+
+def test_checkpoints_from_before_the_per_state_temperature_loss_resume_with_their_own():
+    """Long runs started with the batch-mean loss (runs.md) must go on with it; new runs take the reference's."""
+    old = {"args": {"depth": 5}}  # written before --alpha-loss existed
+    assert gcdqn.args_from_checkpoint(old).alpha_loss == "batch-mean"
+    assert gcdqn.args_from_checkpoint({"args": {"alpha_loss": "per-state"}}).alpha_loss == "per-state"
+    assert gcdqn.Args().alpha_loss == "per-state"
