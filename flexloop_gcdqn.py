@@ -140,6 +140,10 @@ class AlgorithmArgs:
     """share of the batch relabelled with a future state of its episode (the rest: another sample's state)"""
     future_discount: float = 0.99
     """future-goal offsets j > 0 have probability proportional to future_discount^j"""
+    future_goal_window: int = 0
+    """0: a future goal may lie anywhere later in its episode. W > 1: as the reference's replay (rb.py), whose
+    batches read windows of W stored steps not aligned to episodes, it must also lie inside such a window: the
+    offset is at most W - 1 - p, p uniform in 0..W-2 (shorter goals; not yet shown to matter)"""
     gamma: float = 0.99
     """discount"""
 
@@ -232,6 +236,8 @@ def check_args(args: Args):
         raise ValueError("--future-goal-fraction must lie in [0, 1]")
     if not 0 < args.future_discount < 1:
         raise ValueError(f"--future-discount must lie in (0, 1), got {args.future_discount}")
+    if args.future_goal_window == 1 or args.future_goal_window < 0:
+        raise ValueError(f"--future-goal-window must be 0 (off) or at least 2, got {args.future_goal_window}")
     if args.pretrain_epochs < 0 or args.num_epochs < 0:
         raise ValueError("--pretrain-epochs and --num-epochs must be >= 0")
     pretraining = 0 if args.init_checkpoint or args.teacher_checkpoint else args.pretrain_epochs
@@ -589,13 +595,16 @@ class TrajectoryReplay:
 
     A batch takes batch_size distinct envs and one transition (episode, t) from each. Goals are relabelled:
     a future_goal_fraction of rows take the state at t + j of the same episode, j >= 1 with probability
-    proportional to future_discount^j (truncated at the episode's end); the rest take another row's
-    current state. Rewards are recomputed against the new goal with the env's own rule.
+    proportional to future_discount^j (truncated at the episode's end, and with future_goal_window > 1 also at
+    the end of a window of that many stored steps, as the reference's replay reads them); the rest take another
+    row's current state. Rewards are recomputed against the new goal with the env's own rule.
     """
 
-    def __init__(self, num_envs, episodes, episode_length, device, future_goal_fraction=0.5, future_discount=0.99):
+    def __init__(self, num_envs, episodes, episode_length, device, future_goal_fraction=0.5, future_discount=0.99,
+                 future_goal_window=0):
         self.num_envs, self.capacity, self.episode_length, self.device = num_envs, episodes, episode_length, device
         self.future_goal_fraction, self.future_discount = future_goal_fraction, future_discount
+        self.future_goal_window = future_goal_window
         self.observations = torch.zeros(num_envs, episodes, episode_length + 1, NUM_CELLS, dtype=torch.int8,
                                         device=device)
         self.actions = torch.zeros(num_envs, episodes, episode_length, dtype=torch.int8, device=device)
@@ -623,6 +632,9 @@ class TrajectoryReplay:
 
         # Future offsets: truncated geometric on 1..(length - t) by inverse CDF.
         horizon = (length - t).float()
+        if self.future_goal_window:  # the sample's place p in a window that is independent of its episode's start
+            place = torch.randint(0, self.future_goal_window - 1, (batch_size,), generator=generator, device=device)
+            horizon = torch.minimum(horizon, (self.future_goal_window - 1 - place).float())
         q = self.future_discount
         u = torch.rand(batch_size, generator=generator, device=device)
         offset = 1 + torch.floor(torch.log1p(-u * (1 - q ** horizon)) / math.log(q))
@@ -1288,7 +1300,7 @@ def train(args: Args):
     teacher = load_teacher(args, device) if args.teacher_checkpoint else None  # FlexLoop from scratch
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=device.type == "cuda")
     replay = TrajectoryReplay(args.num_envs, args.replay_episodes, args.episode_length, device,
-                              args.future_goal_fraction, args.future_discount)
+                              args.future_goal_fraction, args.future_discount, args.future_goal_window)
     td_weights = torch.zeros(args.depth, device=device)  # the TD loss's weight per depth, set per phase
 
     # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network or a teacher was given, then FlexLoop,

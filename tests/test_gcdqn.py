@@ -202,6 +202,30 @@ def test_future_goal_never_crosses_an_episode_boundary():
         assert (b["t"] < 6).all() and (untag(b["goal"][:, 3:5]) <= 6).all()
 
 
+@pytest.mark.parametrize("window", [10, 100])
+def test_a_future_goal_window_caps_offsets_as_the_references_replay_does(window):
+    """--future-goal-window W: a future goal also stays inside a window of W stored steps at a uniform place p of the
+    sample (offset <= W - 1 - p); each cap 1..W-1 is equally likely, so with a nearly flat discount the mean offset
+    is about half that of a window-free draw."""
+    replay = gcdqn.TrajectoryReplay(1024, 1, 1000, "cpu", 1.0, 0.9999, future_goal_window=window)
+    replay.add(torch.zeros(1024, 1001, 36, dtype=torch.int8), torch.zeros(1024, 1000, dtype=torch.int8),
+               torch.full((1024,), 1000))
+    generator = torch.Generator().manual_seed(4)
+    batches = [replay.sample(1024, generator) for _ in range(20)]
+    offsets = torch.cat([b["offset"] for b in batches]).float()
+    assert offsets.min() >= 1 and offsets.max() <= window - 1
+    # Far from the episode's end only the window caps: c uniform on 1..W-1, and with a flat discount the offset is
+    # uniform on 1..c, so its mean is (E[c] + 1) / 2 = (W / 2 + 1) / 2.
+    far = torch.cat([b["offset"][b["t"] < 1000 - window] for b in batches]).float()
+    assert abs(far.mean().item() - (window / 2 + 1) / 2) < 0.03 * window
+
+
+def test_the_future_goal_window_must_be_off_or_at_least_2(tmp_path):
+    with pytest.raises(ValueError, match="--future-goal-window must be 0"):
+        gcdqn.train(tiny_args(tmp_path, future_goal_window=1))
+    assert not any(tmp_path.iterdir())
+
+
 def test_goal_reached_ignores_the_agent():
     grid = torch.zeros(36, dtype=torch.int8)
     grid[0], grid[5] = BOX, AGENT
