@@ -105,6 +105,9 @@ class NetworkArgs:
     """ensemble size"""
     obs_encoding: Literal["codes", "onehot"] = "codes"
     """codes: the 36 cell codes as numbers (the reference); onehot: 36 x 12 one-hot cells (learns faster)"""
+    init: Literal["pytorch", "flax"] = "pytorch"
+    """pytorch: nn.Linear's default uniform weights and biases (ours); flax: the reference's flax defaults,
+    lecun_normal weights and zero biases (both keep the forget-gate bias at +1); not yet compared in a run"""
 
 
 @dataclass
@@ -434,10 +437,27 @@ class LSTMQNetwork(IRUQNetwork):
 
 def build_network(args: Args, device):
     if args.backbone == "lstm":
-        return LSTMQNetwork(args.depth, args.hidden_dim, args.num_critics, args.policy_temperature, args.init_alpha,
-                            args.obs_encoding).to(device)
-    return IRUQNetwork(args.depth, args.hidden_dim, args.num_critics, args.iru_variant, args.policy_temperature,
-                       args.init_alpha, args.obs_encoding).to(device)
+        network = LSTMQNetwork(args.depth, args.hidden_dim, args.num_critics, args.policy_temperature,
+                               args.init_alpha, args.obs_encoding)
+    else:
+        network = IRUQNetwork(args.depth, args.hidden_dim, args.num_critics, args.iru_variant,
+                              args.policy_temperature, args.init_alpha, args.obs_encoding)
+    return (init_like_flax(network) if args.init == "flax" else network).to(device)
+
+
+def init_like_flax(network):
+    """flax.linen's default init, as the reference leaves it: every kernel lecun_normal (a normal of variance
+    1 / fan_in truncated at 2 standard deviations), every bias 0; then the forget-gate bias +1 again."""
+    with torch.no_grad():
+        for layer in network.modules():
+            if isinstance(layer, EnsembleLinear):
+                std = (1 / layer.weight.shape[1]) ** 0.5 / 0.87962566103423978  # flax's truncation correction
+                nn.init.trunc_normal_(layer.weight, std=std, a=-2 * std, b=2 * std)
+                nn.init.zeros_(layer.bias)
+        forget = slice(network.hidden_dim, 2 * network.hidden_dim) if isinstance(network, LSTMQNetwork) \
+            else slice(0, network.hidden_dim)
+        network.gates.bias[..., forget] = 1.0
+    return network
 
 
 def network_from_checkpoint(checkpoint, device="cpu"):

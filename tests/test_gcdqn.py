@@ -418,3 +418,24 @@ def test_captured_update_draws_a_fresh_batch_at_every_replay(compiled, all_actio
         assert not torch.equal(draws[first], draws[second])
         assert (draws[first][0] != draws[second][0]).float().mean() > 0.5  # most rows move to another env
     assert torch.isfinite(loss_sums).all() and loss_sums[0] > 0
+
+
+@pytest.mark.parametrize("backbone", ["iru", "lstm"])
+def test_flax_init_is_lecun_normal_with_zero_biases_and_the_forget_bias_at_one(backbone):
+    """--init flax: the reference's flax defaults in every ensemble layer (fan_in = in_features), the members drawn
+    independently; the forget gate's bias stays +1 (IRU: the first d gate outputs, LSTM: the second d)."""
+    torch.manual_seed(0)
+    args = gcdqn.Args(init="flax", backbone=backbone, hidden_dim=64, cuda=False)
+    network = gcdqn.build_network(args, "cpu")
+    gates, d = network.gates, args.hidden_dim
+    std = (1 / gates.weight.shape[1]) ** 0.5
+    assert abs(gates.weight.std().item() - std) < 0.03 * std  # the truncation correction restores the variance
+    assert gates.weight.abs().max().item() <= 2 * std / 0.87962566103423978 + 1e-6
+    assert not torch.equal(gates.weight[0], gates.weight[1])
+    forget = slice(d, 2 * d) if backbone == "lstm" else slice(0, d)
+    assert (gates.bias[..., forget] == 1).all()
+    others = torch.ones(gates.bias.shape[-1], dtype=torch.bool)
+    others[forget] = False
+    assert (gates.bias[..., others] == 0).all() and (network.embed.bias == 0).all() and (network.head.bias == 0).all()
+    default = gcdqn.build_network(gcdqn.Args(hidden_dim=64, cuda=False), "cpu")
+    assert default.embed.bias.abs().sum() > 0  # pytorch's: uniform biases
