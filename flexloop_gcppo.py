@@ -756,11 +756,11 @@ def resumed_args(checkpoint, given):
 
 def check_compatible(init, args):
     """An --init-checkpoint must match this run's env and network shape (NETWORK_FLAGS)."""
-    theirs = {"backbone": "iru", **init["args"]}  # checkpoints from before --backbone hold IRUs
+    theirs = args_from_checkpoint(init, "--init-checkpoint")  # flags it predates read as its run had them
     for key in NETWORK_FLAGS:
-        if theirs[key] != getattr(args, key):
-            raise ValueError(f"--init-checkpoint was trained with {key}={theirs[key]!r} but this run has "
-                             f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {theirs[key]}")
+        if getattr(theirs, key) != getattr(args, key):
+            raise ValueError(f"--init-checkpoint was trained with {key}={getattr(theirs, key)!r} but this run has "
+                             f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {getattr(theirs, key)}")
     if init["env_id"] != getattr(args, ENV_FLAG):
         raise ValueError(f"--init-checkpoint was trained on {init['env_id']} but this run is on "
                          f"{getattr(args, ENV_FLAG)}; pass --{ENV_FLAG.replace('_', '-')} {init['env_id']}")

@@ -541,3 +541,16 @@ def test_an_optimiser_state_from_a_gpu_run_loads_with_this_devices_settings(scri
     here.step()
     assert here.param_groups[0]["capturable"] is False and here.state[weight]["step"].item() == 2
     assert module.on_this_device({"w": 1}, torch.nn.Linear(1, 1)) == {"w": 1}  # any other part: as it is
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_init_checkpoint_from_before_a_network_flag_is_read_as_its_run_had_it(script):
+    """A checkpoint written before --backbone existed holds an IRU: --init-checkpoint accepts it for an IRU run and
+    still names a real mismatch (its depth)."""
+    module = SCRIPTS[script]
+    theirs = asdict(module.Args())
+    del theirs["backbone"]
+    init = {"args": theirs, "env_id": getattr(module.Args(), module.ENV_FLAG)}
+    module.check_compatible(init, module.Args())
+    with pytest.raises(ValueError, match="trained with depth=5 but this run has depth=4; pass --depth 5"):
+        module.check_compatible(init, module.Args(depth=4))
