@@ -566,10 +566,10 @@ def matched_success(evaluations):
         for ev in evaluations:
             reaching = [row for row in ev["adaptive"][group] if row["success"] >= floor]
             best = min(reaching, key=lambda row: (row["mean_depth"], -row["success"]), default=None)
+            keys = ("eps", "success", "mean_depth", "ideal_speedup")
             rows.append({"label": ev["label"], "split": group, "reference": reference["label"],
                          "reference_success": target, "floor": floor,
-                         **({key: best[key] for key in ("eps", "success", "mean_depth", "ideal_speedup")}
-                            if best else {"eps": None, "success": None, "mean_depth": None, "ideal_speedup": None})})
+                         **({key: best[key] for key in keys} if best else dict.fromkeys(keys))})
     return rows
 
 
