@@ -448,34 +448,25 @@ def test_tasks_are_a_pure_function_of_the_noise():
 
 
 def topk_tasks(env, noise):
-    """The tasks of `noise` built the plain way (topk thresholds, scatters into the quadrants' cells): what the
-    fused sampler must reproduce exactly."""
+    """Exact's tasks of `noise` built the plain way (topk thresholds, scatters into the quadrants' cells): what
+    the fused sampler must reproduce exactly."""
     n, k = noise.shape[0], env.settings["num_boxes"]
-    if env.settings["generator"] == "exact":
-        cells = torch.tensor(bp.QUADRANT_CELLS)
-        pairs = torch.tensor(bp.TRAIN_QUADRANT_PAIRS if env.split == "train" else bp.UNSEEN_QUADRANT_PAIRS)
-        pair = pairs[(noise[:, 0] * len(pairs)).long().clamp(max=len(pairs) - 1)]
-        planes = []
-        for side, draws in enumerate([noise[:, 1:10], noise[:, 10:19]]):
-            threshold = torch.topk(draws, k, dim=1, largest=False).values[:, -1:]
-            planes.append(torch.zeros(n, 36, dtype=torch.bool).scatter_(1, cells[pair[:, side]], draws <= threshold))
-        agent = cells[pair[:, 0]].gather(1, (noise[:, -1] * 9).long().clamp(max=8)[:, None])[:, 0]
-        return planes[0], planes[1], agent
-    moving = k if env.split == "unseen" else env.settings["num_moving"]
-    draws = noise[:, :36]
-    kth = torch.topk(draws, k + moving, dim=1, largest=False).values
-
-    def first(m):
-        return draws <= kth[:, m - 1:m] if m > 0 else torch.zeros_like(draws, dtype=torch.bool)
-    box = first(k)
-    return box, first(k - moving) | (first(k + moving) & ~box), (noise[:, 36] * 36).long().clamp(max=35)
+    cells = torch.tensor(bp.QUADRANT_CELLS)
+    pairs = torch.tensor(bp.TRAIN_QUADRANT_PAIRS if env.split == "train" else bp.UNSEEN_QUADRANT_PAIRS)
+    pair = pairs[(noise[:, 0] * len(pairs)).long().clamp(max=len(pairs) - 1)]
+    planes = []
+    for side, draws in enumerate([noise[:, 1:10], noise[:, 10:19]]):
+        threshold = torch.topk(draws, k, dim=1, largest=False).values[:, -1:]
+        planes.append(torch.zeros(n, 36, dtype=torch.bool).scatter_(1, cells[pair[:, side]], draws <= threshold))
+    agent = cells[pair[:, 0]].gather(1, (noise[:, -1] * 9).long().clamp(max=8)[:, None])[:, 0]
+    return planes[0], planes[1], agent
 
 
-@pytest.mark.parametrize("variant", ["Exact-3", "Exact-4", "Generalize-4-1", "Generalize-4-2"])
+@pytest.mark.parametrize("variant", ["Exact-3", "Exact-4"])
 @pytest.mark.parametrize("split", ["train", "unseen"])
 def test_task_sampler_matches_topk_and_scatter_exactly(variant, split):
-    """The sampler counts ranks pairwise and builds planes cell by cell (so torch.compile fuses it); it must pick
-    the same cells as topk thresholds and scatters, also when draws tie (coarse noise makes ties common)."""
+    """Exact's sampler counts ranks pairwise and builds planes cell by cell (so torch.compile fuses it); it must
+    pick the same cells as topk thresholds and scatters, also when draws tie (coarse noise makes ties common)."""
     env = BoxPickVecEnv(512, variant=variant, split=split, seed=0)
     for noise in [env._task_noise(512), torch.randint(0, 6, (512, env._noise_width())) / 6]:
         box, target, agent_start, _ = env.sample_tasks(512, noise)
