@@ -43,7 +43,7 @@ import tyro
 from tqdm.auto import tqdm
 
 import envs
-from envs.boxpick import NUM_ACTIONS, NUM_CELLS, NUM_CODES, goal_reached
+from envs.boxpick import NUM_ACTIONS, NUM_CELLS, NUM_CODES, goal_reached, remove_agent
 
 
 @dataclass
@@ -715,6 +715,14 @@ def run_episode(network, env, depth, generator):
     return torch.stack(observations, 1), torch.stack(actions, 1), length, success, boxes
 
 
+def cells_changed(observations, lengths):
+    """Per episode, how many cells differ between its first and last observation once the agent is removed: 0 when
+    no box was moved, 2 for a box carried from one cell to another. Its mean falling to 0 during training means
+    exploration has collapsed: no box-moving goals enter the replay any more (README, Generalize)."""
+    last = observations[torch.arange(observations.shape[0], device=observations.device), lengths]
+    return (remove_agent(last) != remove_agent(observations[:, 0])).sum(-1)
+
+
 @torch.no_grad()
 def evaluate(network, eval_envs, generator):
     """Success and boxes on target at every depth 1..K on each split, as device tensors."""
@@ -1358,7 +1366,8 @@ def train(args: Args):
 
             if run.log_due():
                 run.log({"charts/lambda_depth": lam, "charts/alpha": network.log_alpha.exp(),
-                         "charts/train_success": success.mean()})
+                         "charts/train_success": success.mean(),
+                         "charts/cells_changed": cells_changed(observations, lengths).float().mean()})
             if run.evaluate_due():
                 run.evaluate(evaluate, network, eval_envs, generators["eval"])
             run.save_due()

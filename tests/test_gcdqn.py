@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import flexloop_gcdqn as gcdqn
 import iru_pretrain
-from envs.boxpick import AGENT, AGENT_ON_BOX, BOX, BOX_ON_TARGET, EMPTY, TARGET, BoxPickVecEnv, goal_reached
+from envs.boxpick import (AGENT, AGENT_ON_BOX, BOX, BOX_ON_TARGET, EMPTY, LEFT, PICK_UP, PUT_DOWN, RIGHT, TARGET, UP,
+                          BoxPickVecEnv, goal_reached)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -236,6 +237,25 @@ def test_goal_reached_ignores_the_agent():
     assert goal_reached(grid[None], goal[None]).item() == 0.0
 
 
+def test_cells_changed_counts_moved_boxes_not_agent_steps():
+    """The exploration metric: 2 for a box carried to another cell, 1 for a box still carried at the end, 0 for an
+    agent that only walks; read at each episode's own length."""
+    grid = torch.zeros(3, 36, dtype=torch.long)
+    grid[:, 1], grid[:, 3] = BOX, TARGET
+    env = BoxPickVecEnv(3, variant="Generalize-1-1", seed=0)
+    obs, _ = env.reset(options={"grid": grid, "agent_pos": torch.zeros(3, dtype=torch.long)})
+    plans = [[RIGHT, PICK_UP, RIGHT, RIGHT, PUT_DOWN], [RIGHT, RIGHT, LEFT, PUT_DOWN, PUT_DOWN],
+             [RIGHT, PICK_UP, PUT_DOWN, PICK_UP, UP]]
+    observations = [obs["observation"]]
+    for t in range(5):
+        obs, *_ = env.step(torch.tensor([plan[t] for plan in plans]))
+        observations.append(obs["observation"])
+    observations = torch.stack(observations, 1)
+    assert gcdqn.cells_changed(observations, torch.full((3,), 5)).tolist() == [2, 0, 1]
+    # Read at each episode's own end: before its PUT_DOWN, env 0 still carries the box (1 cell changed).
+    assert gcdqn.cells_changed(observations, torch.tensor([4, 5, 0])).tolist() == [1, 0, 0]
+
+
 # ----- bad flags -----
 
 @pytest.mark.parametrize("overrides,match", [
@@ -277,6 +297,7 @@ def test_smoke_run_writes_checkpoints_and_per_depth_metrics(tmp_path):
             assert f"eval/{split}/success_depth_{k}" in eval_keys
     lambdas = {r["phase"]: r["charts/lambda_depth"] for r in records if "charts/lambda_depth" in r}
     assert lambdas == {"pretrain": 0.0, "flexloop": 1.0}
+    assert all(0 <= r["charts/cells_changed"] <= 36 for r in records if "charts/lambda_depth" in r)
     final = gcdqn.load_checkpoint(run_dir / "final.pt")
     assert final["updates"] == 4 * 3 and final["global_step"] == 4 * 16 * 10
     assert final["phase"] == "flexloop" and gcdqn.load_checkpoint(run_dir / "pretrained.pt")["phase"] == "pretrain"
