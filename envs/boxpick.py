@@ -261,9 +261,9 @@ class BoxPickVecEnv(gym.vector.VectorEnv):
         num_boxes = self.settings["num_boxes"]
         num_moving = num_boxes if self.split == "unseen" else self.settings["num_moving"]
         # Shuffle the cells: the first num_boxes hold boxes, the first (num_boxes - num_moving) of those
-        # already sit on targets, and the next num_moving cells are the free targets. Over 36 cells, topk
-        # thresholds beat pairwise ranks (36 x 36 comparisons per env): 205 against 114 M steps/s at 32,768 envs
-        # (H100, BENCHMARKS.md), while Exact's 9-slot quadrants are cheaper pairwise.
+        # already sit on targets, and the next num_moving cells are the free targets. topk thresholds, not
+        # pairwise ranks: over 36 cells those cost 36 x 36 comparisons per env and step, and with them this env fell
+        # from 205 to 114 M steps/s at 32,768 envs (H100, BENCHMARKS.md). Exact's 9-slot quadrants stay pairwise.
         draws = noise[:, :NUM_CELLS]
         smallest = torch.topk(draws, num_boxes + num_moving, dim=1, largest=False).values
 
