@@ -458,5 +458,6 @@ def test_flax_init_is_lecun_normal_with_zero_biases_and_the_forget_bias_at_one(b
     others = torch.ones(gates.bias.shape[-1], dtype=torch.bool)
     others[forget] = False
     assert (gates.bias[..., others] == 0).all() and (network.embed.bias == 0).all() and (network.head.bias == 0).all()
-    default = gcdqn.build_network(gcdqn.Args(hidden_dim=64, cuda=False), "cpu")
-    assert default.embed.bias.abs().sum() > 0  # pytorch's: uniform biases
+    assert gcdqn.Args().init == "flax"  # the reference's init is the default: without it Generalize collapses
+    pytorch = gcdqn.build_network(gcdqn.Args(init="pytorch", hidden_dim=64, cuda=False), "cpu")
+    assert pytorch.embed.bias.abs().sum() > 0  # nn.Linear's uniform biases
