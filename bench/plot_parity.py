@@ -4,6 +4,8 @@ of long runs beside the paper's final values (--paper).
 
     python bench/plot_parity.py --runs runs/old/metrics.jsonl runs/new/metrics.jsonl --labels before after \
         --out docs/gcdqn_parity.png
+
+With --depths 5 only depth 5 is drawn and each run gets its own colour: many runs of one setting side by side.
 """
 
 import argparse
@@ -39,6 +41,7 @@ def main():
     parser.add_argument("--episodes", default="1,024", help="episodes per split of the runs' evaluations (y label)")
     parser.add_argument("--paper", type=float, nargs=2, metavar=("TRAIN", "UNSEEN"),
                         help="the paper's full-depth success on each split, drawn as dashed lines")
+    parser.add_argument("--depths", type=int, nargs="+", help="draw only these depths (default: all)")
     parser.add_argument("--title", default="")
     parser.add_argument("--out", required=True)
     cli = parser.parse_args()
@@ -47,15 +50,18 @@ def main():
                 if key.startswith("eval/train/success_depth_"))
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     styles = ["-", "--", ":", "-."]
+    depths = cli.depths or range(1, depth + 1)
+    one_depth = len(depths) == 1  # then colour tells the runs apart, not the depths
     colours = plt.cm.viridis([k / max(1, depth - 1) for k in range(depth)])
     for axis, split in zip(axes, ["train", "unseen"]):
-        for (label, records), style in zip(runs.items(), itertools.cycle(styles)):  # every run, styles repeat
+        for run, ((label, records), style) in enumerate(zip(runs.items(), itertools.cycle(styles))):
             x = [r["global_step"] / 1e6 if cli.env_steps else r["global_step"] * cli.updates_per_step / 1000
                  for r in records]
-            for k in range(1, depth + 1):
+            for k in depths:
+                labelled = one_depth or k in (depth - 1, depth)
                 axis.plot(x, [r[f"eval/{split}/success_depth_{k}"] for r in records], style, marker="o",
-                          markersize=3, color=colours[k - 1], label=f"{label}, depth {k}" if k in (depth - 1, depth)
-                          else None)
+                          markersize=3, color=plt.cm.tab10(run % 10) if one_depth else colours[k - 1],
+                          label=f"{label}, depth {k}" if labelled else None)
         if cli.paper:
             axis.axhline(cli.paper[split == "unseen"], color="black", linestyle="--", linewidth=1,
                          label="paper, full depth" if split == "unseen" else None)

@@ -49,3 +49,20 @@ def test_plot_parity_draws_every_run_and_skips_a_cut_line(tmp_path, monkeypatch)
     assert len(train.lines) == 6 * 3 + 1 and len(unseen.lines) == 6 * 3 + 1  # 6 runs x 3 depths, the paper's line
     assert list(train.lines[-2].get_ydata()) == [0.5, 1.0]  # run 5, depth 3: both evaluations, the cut line skipped
     plt.close("all")
+
+
+def test_plot_parity_draws_only_the_depths_asked_for_one_colour_per_run(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+    plot_parity = load_bench("plot_parity")
+    paths = [tmp_path / f"run{run}.jsonl" for run in range(2)]
+    for run, path in enumerate(paths):
+        write_run(path, [0.3 * (run + 1), 0.6])
+    saved = {}
+    monkeypatch.setattr(plt.Figure, "savefig", lambda figure, out, **kwargs: saved.update(figure=figure, out=out))
+    monkeypatch.setattr(sys, "argv", ["plot_parity.py", "--runs", *map(str, paths), "--labels", "a", "b",
+                                      "--depths", "3", "--out", str(tmp_path / "full_depth.png")])
+    plot_parity.main()
+    train, _ = saved["figure"].axes
+    assert [list(line.get_ydata()) for line in train.lines] == [[0.3, 0.6], [0.6, 0.6]]  # depth 3 of each run
+    assert train.lines[0].get_color() != train.lines[1].get_color()
+    plt.close("all")
