@@ -275,7 +275,7 @@ class EnsembleLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_members, 1, out_features).uniform_(-bound, bound))
 
     def forward(self, x):
-        # bmm, then + bias: baddbmm would first copy the broadcast bias into a full-size output (12% of the
+        # bmm, then + bias: baddbmm would first copy the broadcast bias into a full-size output (12% of GC-DQN's
         # compiled update, BENCHMARKS.md), while an add is fused into the kernels that read the result.
         out = torch.bmm(x.flatten(1, -2), self.weight)
         return (out + self.bias.to(out.dtype)).view(*x.shape[:-1], -1)  # bf16 stays bf16 under --bf16
@@ -446,6 +446,14 @@ def build_network(args: Args, device):
     return (init_like_flax(network) if args.init == "flax" else network).to(device)
 
 
+def network_from_checkpoint(checkpoint, device="cpu"):
+    """Rebuild the network from a checkpoint alone (used by eval_adaptive.py)."""
+    args = args_from_checkpoint(checkpoint)
+    network = build_network(args, device)
+    network.load_state_dict(checkpoint["model"])
+    return network, args
+
+
 def init_like_flax(network):
     """flax.linen's default init, as the reference leaves it: every kernel lecun_normal (a normal of variance
     1 / fan_in truncated at 2 standard deviations), every bias 0; then the forget-gate bias +1 again."""
@@ -459,14 +467,6 @@ def init_like_flax(network):
             else slice(0, network.hidden_dim)
         network.gates.bias[..., forget] = 1.0
     return network
-
-
-def network_from_checkpoint(checkpoint, device="cpu"):
-    """Rebuild the network from a checkpoint alone (used by eval_adaptive.py)."""
-    args = args_from_checkpoint(checkpoint)
-    network = build_network(args, device)
-    network.load_state_dict(checkpoint["model"])
-    return network, args
 
 
 def load_teacher(args, device):

@@ -430,8 +430,8 @@ def network_from_checkpoint(checkpoint, device="cpu"):
 
 
 def init_like_flax(network):
-    """flax.linen's default init, as the authors' code leaves it: every Linear kernel lecun_normal (a normal of
-    variance 1 / fan_in truncated at 2 standard deviations), every bias 0; then the forget-gate bias +1 again."""
+    """flax.linen's default init, as the reference leaves it: every kernel lecun_normal (a normal of variance
+    1 / fan_in truncated at 2 standard deviations), every bias 0; then the forget-gate bias +1 again."""
     with torch.no_grad():
         for layer in network.modules():
             if isinstance(layer, nn.Linear):
@@ -440,7 +440,7 @@ def init_like_flax(network):
                 nn.init.zeros_(layer.bias)
         forget = slice(network.hidden_dim, 2 * network.hidden_dim) if isinstance(network, LSTMActorCritic) \
             else slice(0, network.hidden_dim)
-        network.gates.bias[forget] = 1.0
+        network.gates.bias[..., forget] = 1.0
     return network
 
 
