@@ -454,3 +454,11 @@ def test_checkpoints_from_before_the_per_state_temperature_loss_resume_with_thei
     assert gcdqn.args_from_checkpoint(old).alpha_loss == "batch-mean"
     assert gcdqn.args_from_checkpoint({"args": {"alpha_loss": "per-state"}}).alpha_loss == "per-state"
     assert gcdqn.Args().alpha_loss == "per-state"
+
+
+def test_checkpoints_from_before_the_init_flag_record_pytorchs_init():
+    """Runs written before --init existed used nn.Linear's init; a resumed one must say so, not today's flax default."""
+    old = {"args": {"depth": 5}}
+    assert gcdqn.args_from_checkpoint(old).init == "pytorch"
+    assert gcdqn.args_from_checkpoint({"args": {"init": "flax"}}).init == "flax"
+    assert gcdqn.Args().init == "flax"
