@@ -211,7 +211,8 @@ NETWORK_FLAGS = ("depth", "hidden_dim", "num_critics", "iru_variant", "obs_encod
 CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in a checkpoint
 GPU_SIZED_FLAGS = ("num_envs", "batch_size", "updates_per_rollout", "hidden_dim")  # their defaults need a GPU
 PRETRAINING_ONLY = dict(lambda_depth=0.0, num_epochs=0, init_checkpoint=None, teacher_checkpoint=None)  # iru_pretrain
-OLDER_CHECKPOINTS_RAN_WITH = {"alpha_loss": "batch-mean", "init": "pytorch"}  # flags added since: what runs before them did
+# flags added since some checkpoints were written: what runs before them did
+OLDER_CHECKPOINTS_RAN_WITH = {"alpha_loss": "batch-mean", "init": "pytorch"}
 
 
 def check_args(args: Args):
