@@ -1,7 +1,8 @@
-"""Two GC-DQN differences from the reference's code, measured on CPU (README, "Where this still differs"):
+"""GC-DQN differences from the reference's code, measured on CPU (README, "Where this still differs"):
 
     python bench/gcdqn_fidelity.py alpha carry/BoxPick-Exact-4-v0__long__1__1795681532/latest.pt
     python bench/gcdqn_fidelity.py horizon
+    python bench/gcdqn_fidelity.py init
 
 alpha: the temperature at which each form of the temperature loss is stationary, for a trained critic held fixed,
 on relabelled batches of its own episodes. per-state (the reference's) averages (H(s) - 1.1)^2 over states;
@@ -10,6 +11,10 @@ batch-mean (this script's loss before) squares the batch's mean entropy minus 1.
 horizon: future-goal offsets, simulated. Ours: t uniform in 0..99, offset ~ 0.99^j on 1..100 - t. The reference's
 replay (rb.py): a window of 100 stored steps s_0..s_99 (no s_100) at a uniform phase, the state at a window place p
 in 0..98, the offset inside both its episode and the window (none left: the goal is the state itself).
+
+init: the untrained IRU-5's full-depth Q on Generalize-4-1 start states, with PyTorch's init and with flax's (the
+reference's), 3 network seeds each: how much Q varies across the 6 actions, and the entropy of softmax(Q / alpha) at
+the initial alpha = 1 (uniform: ln 6 = 1.792).
 """
 
 import argparse
@@ -71,12 +76,31 @@ def future_offsets(samples=400_000, length=100, discount=0.99):
                                               for name, o in [("ours", ours), ("reference", reference)]}}
 
 
+def initial_q_spread(num_envs=1024, seeds=(0, 1, 2)):
+    env = envs.make_vec("BoxPick-Generalize-4-1-v0", num_envs, device="cpu", seed=0, check_actions=False).unwrapped
+    obs, _ = env.reset(seed=0)
+    result = {"what": "untrained full-depth Q across the 6 actions, Generalize-4-1 start states"}
+    for init in ("pytorch", "flax"):
+        spread, entropy = [], []
+        for seed in seeds:
+            torch.manual_seed(seed)
+            network = gcdqn.build_network(gcdqn.Args(init=init, cuda=False), "cpu")
+            with torch.no_grad():
+                q = network.full_depth(obs["observation"], obs["desired_goal"]).mean(0)  # (states, actions)
+            spread.append(round(q.std(-1).median().item(), 3))
+            policy = torch.softmax(q, -1)
+            entropy.append(round(-(policy * policy.log()).sum(-1).mean().item(), 3))
+        result[init] = {"median_std_across_actions": spread, "entropy_at_alpha_1": entropy}
+    return result
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["alpha", "horizon"])
+    parser.add_argument("what", choices=["alpha", "horizon", "init"])
     parser.add_argument("checkpoint", nargs="?", help="a GC-DQN checkpoint (alpha)")
     cli = parser.parse_args()
     if cli.what == "alpha" and not cli.checkpoint:
         parser.error("alpha needs a checkpoint, e.g. carry/BoxPick-Exact-4-v0__long__1__1795681532/latest.pt")
     torch.manual_seed(0)
-    print(json.dumps(stationary_alpha(cli.checkpoint) if cli.what == "alpha" else future_offsets()))
+    measure = {"alpha": lambda: stationary_alpha(cli.checkpoint), "horizon": future_offsets, "init": initial_q_spread}
+    print(json.dumps(measure[cli.what]()))

@@ -461,3 +461,18 @@ def test_flax_init_is_lecun_normal_with_zero_biases_and_the_forget_bias_at_one(b
     assert gcdqn.Args().init == "flax"  # the reference's init is the default: without it Generalize collapses
     pytorch = gcdqn.build_network(gcdqn.Args(init="pytorch", hidden_dim=64, cuda=False), "cpu")
     assert pytorch.embed.bias.abs().sum() > 0  # nn.Linear's uniform biases
+
+
+def test_fidelity_bench_measures_the_inits_spread_of_q_across_actions():
+    """bench/gcdqn_fidelity.py init: flax's lecun_normal kernels (1.73x nn.Linear's std) give the untrained critic
+    a wider spread of Q over the 6 actions than PyTorch's init, for every network seed, on real start states."""
+    import importlib.util
+    path = Path(__file__).parent.parent / "bench" / "gcdqn_fidelity.py"
+    spec = importlib.util.spec_from_file_location("gcdqn_fidelity", path)
+    fidelity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fidelity)
+    result = fidelity.initial_q_spread(num_envs=64, seeds=(0, 1))
+    spreads = zip(result["pytorch"]["median_std_across_actions"], result["flax"]["median_std_across_actions"])
+    assert all(flax > 1.5 * pytorch > 0 for pytorch, flax in spreads)
+    entropies = result["pytorch"]["entropy_at_alpha_1"] + result["flax"]["entropy_at_alpha_1"]
+    assert all(1.5 < h <= math.log(6) + 1e-3 for h in entropies)  # near uniform at alpha = 1 either way
