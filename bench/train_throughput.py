@@ -112,7 +112,9 @@ if __name__ == "__main__":
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--fill-episodes", type=int, default=4)
     parser.add_argument("--collect-episodes", type=int, default=5)
-    parser.add_argument("--bf16", action="store_true", help="the updates' forward passes under bf16 autocast")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=gcdqn.Args().bf16,
+                        help="the updates' network passes under bf16 autocast (the script's default; before the 7th "
+                             "session the default was TF32, and commands without the flag measured TF32)")
     parser.add_argument("--profile", action="store_true",
                         help="also report the 8 largest GPU kernels per measurement (compile mode: the ops behind them)")
     parser.add_argument("--skip-collection", action="store_true")
@@ -130,7 +132,8 @@ if __name__ == "__main__":
     modes = ["eager"] + [m for m in modes if m != "eager"]
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "depth": args.depth, "hidden_dim": args.hidden_dim,
-              "batch_size": args.batch_size, "num_envs": args.num_envs, "bf16": cli.bf16, **OPTIMIZER_VARIANT}
+              "batch_size": args.batch_size, "num_envs": args.num_envs,
+              "bf16": cli.bf16 and device.type == "cuda", **OPTIMIZER_VARIANT}  # a CPU update stays float32
     if not cli.skip_collection:
         for graph in [False, True] if device.type == "cuda" else [False]:
             print(json.dumps({**measure_collection(args, device, cli.collect_episodes, graph), **common}), flush=True)

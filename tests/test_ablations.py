@@ -456,6 +456,35 @@ def test_checkpoints_from_before_the_per_state_temperature_loss_resume_with_thei
     assert gcdqn.Args().alpha_loss == "per-state"
 
 
+def test_bf16_is_the_default_on_a_gpu_and_a_cpu_update_stays_float32():
+    """--bf16 (on by default) autocasts the update on a GPU only: on a CPU, the loss and every gradient are the
+    float32 ones exactly, so CPU runs and the CPU tests keep float32 numerics."""
+    assert gcdqn.Args().bf16
+    args, network, target_network, batch = loss_setup()
+    results = []
+    for bf16 in (True, False):
+        loss = terms_for(dataclasses.replace(args, bf16=bf16), network, target_network, batch)["loss"]
+        results.append([loss, *torch.autograd.grad(loss, list(network.parameters()))])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bf16_on_a_gpu_runs_the_matmuls_in_bf16_with_the_loss_close_to_float32():
+    args, network, target_network, batch = loss_setup()
+    network, target_network = network.cuda(), target_network.cuda()
+    batch = {k: v.cuda() for k, v in batch.items()}
+    half = terms_for(args, network, target_network, batch)["loss"]
+    full = terms_for(dataclasses.replace(args, bf16=False), network, target_network, batch)["loss"]
+    assert half.dtype == torch.float32 and not torch.equal(half, full)  # the matmuls did run in bf16
+    assert torch.allclose(half, full, rtol=0.05), (half, full)
+
+
+def test_checkpoints_from_before_bf16_became_the_default_resume_in_float32():
+    """Runs written before --bf16 existed ran TF32; resumed, they must go on in TF32 (runs since record the flag)."""
+    assert not gcdqn.args_from_checkpoint({"args": {"depth": 5}}).bf16
+    assert gcdqn.args_from_checkpoint({"args": {"bf16": True}}).bf16
+
+
 def test_checkpoints_from_before_the_init_flag_record_pytorchs_init():
     """Runs written before --init existed used nn.Linear's init; a resumed one must say so, not today's flax default."""
     old = {"args": {"depth": 5}}
