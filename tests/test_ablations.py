@@ -473,8 +473,9 @@ def test_bf16_on_a_gpu_runs_the_matmuls_in_bf16_with_the_loss_close_to_float32()
     args, network, target_network, batch = loss_setup()
     network, target_network = network.cuda(), target_network.cuda()
     batch = {k: v.cuda() for k, v in batch.items()}
-    half = terms_for(args, network, target_network, batch)["loss"]
-    full = terms_for(dataclasses.replace(args, bf16=False), network, target_network, batch)["loss"]
+    weights = torch.tensor(gcdqn.td_depth_weights("none", args.depth), device="cuda")
+    half, full = (gcdqn.flexloop_losses(network, target_network, batch, dataclasses.replace(args, bf16=bf16),
+                                        torch.tensor(1.0, device="cuda"), weights)[0] for bf16 in (True, False))
     assert half.dtype == torch.float32 and not torch.equal(half, full)  # the matmuls did run in bf16
     assert torch.allclose(half, full, rtol=0.05), (half, full)
 
