@@ -293,7 +293,7 @@ class EnsembleLayerNorm(nn.Module):
         return (F.layer_norm(flat, flat.shape[-1:]) * self.weight + self.bias).view_as(x)
 
 
-class IRUQNetwork(nn.Module):
+class IRUNetwork(nn.Module):
     """Q(s, g, a) read out after each of K recurrent steps of an IRU, for an ensemble of critics.
 
         x_emb = LayerNorm(Linear(concat[obs, goal, onehot(a)]))
@@ -407,7 +407,7 @@ class IRUQNetwork(nn.Module):
         return (q / self.log_alpha.exp() - torch.log(-torch.log(uniform))).argmax(-1)
 
 
-class LSTMQNetwork(IRUQNetwork):
+class LSTMNetwork(IRUNetwork):
     """The same network with an LSTM cell in place of the IRU cell, unrolled over depth for a fixed input
     (the paper's LSTM backbones, §5.4):
 
@@ -439,10 +439,10 @@ class LSTMQNetwork(IRUQNetwork):
 
 def build_network(args: Args, device):
     if args.backbone == "lstm":
-        network = LSTMQNetwork(args.depth, args.hidden_dim, args.num_critics, args.policy_temperature,
+        network = LSTMNetwork(args.depth, args.hidden_dim, args.num_critics, args.policy_temperature,
                                args.init_alpha, args.obs_encoding)
     else:
-        network = IRUQNetwork(args.depth, args.hidden_dim, args.num_critics, args.iru_variant,
+        network = IRUNetwork(args.depth, args.hidden_dim, args.num_critics, args.iru_variant,
                               args.policy_temperature, args.init_alpha, args.obs_encoding)
     return (init_like_flax(network) if args.init == "flax" else network).to(device)
 
@@ -464,7 +464,7 @@ def init_like_flax(network):
                 std = (1 / layer.weight.shape[1]) ** 0.5 / 0.87962566103423978  # flax's truncation correction
                 nn.init.trunc_normal_(layer.weight, std=std, a=-2 * std, b=2 * std)
                 nn.init.zeros_(layer.bias)
-        forget = slice(network.hidden_dim, 2 * network.hidden_dim) if isinstance(network, LSTMQNetwork) \
+        forget = slice(network.hidden_dim, 2 * network.hidden_dim) if isinstance(network, LSTMNetwork) \
             else slice(0, network.hidden_dim)
         network.gates.bias[..., forget] = 1.0
     return network
@@ -496,7 +496,7 @@ def flexloop_depth_loss(logits_per_depth, target="adjacent"):
 
     The deeper policy is the target (detached), so only the shallower depth moves towards it."""
     deeper = logits_per_depth[1:] if target == "adjacent" else logits_per_depth[-1:].expand_as(logits_per_depth[:-1])
-    kl = IRUQNetwork.divergence(deeper.detach(), logits_per_depth[:-1])  # (K-1, B)
+    kl = IRUNetwork.divergence(deeper.detach(), logits_per_depth[:-1])  # (K-1, B)
     return kl.mean()
 
 

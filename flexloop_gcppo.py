@@ -265,7 +265,7 @@ def check_args(args: Args):
 # ---------------------------------------------------------------------------------------------------------
 # ALGO LOGIC: network
 # ---------------------------------------------------------------------------------------------------------
-class IRUActorCritic(nn.Module):
+class IRUNetwork(nn.Module):
     """pi_k(a | s, g) and V_k(s, g) read out after each of K recurrent steps of one shared IRU.
 
         x     = clip((concat[obs, goal] - running mean) / running std)     (40 inputs)
@@ -387,7 +387,7 @@ class IRUActorCritic(nn.Module):
         return (logits - torch.log(-torch.log(uniform))).argmax(-1)
 
 
-class LSTMActorCritic(IRUActorCritic):
+class LSTMNetwork(IRUNetwork):
     """The same network with an LSTM cell in place of the IRU cell, unrolled over depth for a fixed input
     (the paper's LSTM backbones, §5.4):
 
@@ -415,9 +415,9 @@ class LSTMActorCritic(IRUActorCritic):
 
 def build_network(args: Args, device):
     if args.backbone == "lstm":
-        network = LSTMActorCritic(args.depth, args.hidden_dim, args.obs_clip)
+        network = LSTMNetwork(args.depth, args.hidden_dim, args.obs_clip)
     else:
-        network = IRUActorCritic(args.depth, args.hidden_dim, args.iru_variant, args.obs_clip)
+        network = IRUNetwork(args.depth, args.hidden_dim, args.iru_variant, args.obs_clip)
     return (init_like_flax(network) if args.init == "flax" else network).to(device)
 
 
@@ -438,7 +438,7 @@ def init_like_flax(network):
                 std = (1 / layer.in_features) ** 0.5 / 0.87962566103423978  # flax's truncation correction
                 nn.init.trunc_normal_(layer.weight, std=std, a=-2 * std, b=2 * std)
                 nn.init.zeros_(layer.bias)
-        forget = slice(network.hidden_dim, 2 * network.hidden_dim) if isinstance(network, LSTMActorCritic) \
+        forget = slice(network.hidden_dim, 2 * network.hidden_dim) if isinstance(network, LSTMNetwork) \
             else slice(0, network.hidden_dim)
         network.gates.bias[..., forget] = 1.0
     return network
@@ -463,7 +463,7 @@ def flexloop_depth_loss(logits_per_depth, target="adjacent"):
 
     The deeper policy is the target (detached), so only the shallower depth moves towards it."""
     deeper = logits_per_depth[1:] if target == "adjacent" else logits_per_depth[-1:].expand_as(logits_per_depth[:-1])
-    kl = IRUActorCritic.divergence(deeper.detach(), logits_per_depth[:-1])  # (K-1, B)
+    kl = IRUNetwork.divergence(deeper.detach(), logits_per_depth[:-1])  # (K-1, B)
     return kl.mean()
 
 

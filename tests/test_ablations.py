@@ -141,7 +141,7 @@ def test_final_depth_target_distils_every_depth_from_depth_k():
 def test_teacher_target_and_inter_depth_bellman_loss():
     args, network, target_network, batch = loss_setup(bellman_weight=0.1)
     torch.manual_seed(5)
-    teacher = perturbed(gcdqn.IRUQNetwork(depth=3, hidden_dim=12), 3).requires_grad_(False)  # any shape will do
+    teacher = perturbed(gcdqn.IRUNetwork(depth=3, hidden_dim=12), 3).requires_grad_(False)  # any shape will do
     terms = terms_for(args, network, target_network, batch, teacher=teacher)
     with torch.no_grad():
         q = network.all_depths(batch["obs"], batch["goal"])
@@ -181,7 +181,7 @@ def hand_lstm(network, obs, goal, action):
 
 def test_lstm_matches_hand_computation_and_the_depth_protocol():
     torch.manual_seed(0)
-    network = perturbed(gcdqn.LSTMQNetwork(depth=3, hidden_dim=6, num_critics=2), 0)
+    network = perturbed(gcdqn.LSTMNetwork(depth=3, hidden_dim=6, num_critics=2), 0)
     obs, goal = torch.randint(0, 12, (5, 36)), torch.randint(0, 12, (5, 36))
     q = network.all_depths(obs, goal)  # (K, E, B, A)
     assert q.shape == (3, 2, 5, 6)
@@ -200,13 +200,13 @@ def test_lstm_matches_hand_computation_and_the_depth_protocol():
     q.retain_grad()
     gcdqn.flexloop_depth_loss(q.mean(1) / network.policy_temperature).backward()
     assert q.grad[-1].abs().sum() == 0 and q.grad[0].abs().sum() > 0 and q.grad[1].abs().sum() > 0
-    assert torch.all(gcdqn.LSTMQNetwork(hidden_dim=6).gates.bias[..., 6:12] == 1.0)  # forget-gate bias +1
+    assert torch.all(gcdqn.LSTMNetwork(hidden_dim=6).gates.bias[..., 6:12] == 1.0)  # forget-gate bias +1
 
 
 def test_lstm_184_has_about_the_parameters_of_iru_256():
     count = lambda n: sum(p.numel() for p in n.parameters())  # noqa: E731
-    iru_256 = count(gcdqn.IRUQNetwork(hidden_dim=256))
-    lstm_256, lstm_184 = count(gcdqn.LSTMQNetwork(hidden_dim=256)), count(gcdqn.LSTMQNetwork(hidden_dim=184))
+    iru_256 = count(gcdqn.IRUNetwork(hidden_dim=256))
+    lstm_256, lstm_184 = count(gcdqn.LSTMNetwork(hidden_dim=256)), count(gcdqn.LSTMNetwork(hidden_dim=184))
     assert (iru_256, lstm_184, lstm_256) == (569_347, 573_347, 1_092_611)  # two critics each (README table)
     assert abs(lstm_184 / iru_256 - 1) < 0.01
 
@@ -214,7 +214,7 @@ def test_lstm_184_has_about_the_parameters_of_iru_256():
 def test_lstm_backbone_runs_end_to_end_and_reloads(tmp_path):
     run_dir = gcdqn.train(tiny_args(tmp_path, backbone="lstm", hidden_dim=12))
     network, args = gcdqn.network_from_checkpoint(gcdqn.load_checkpoint(run_dir / "final.pt"))
-    assert isinstance(network, gcdqn.LSTMQNetwork) and args.backbone == "lstm"
+    assert isinstance(network, gcdqn.LSTMNetwork) and args.backbone == "lstm"
     with pytest.raises(ValueError, match="--backbone"):  # an LSTM checkpoint cannot start an IRU run
         gcdqn.train(tiny_args(tmp_path / "bad", hidden_dim=12, init_checkpoint=str(run_dir / "pretrained.pt")))
 
@@ -314,13 +314,13 @@ def test_gcppo_final_target_and_lstm_backbone(tmp_path):
     for k in range(3):
         state = network.advance(state)
         torch.testing.assert_close(network.decide(state), all_logits[k])
-    assert isinstance(network, gcppo.LSTMActorCritic) and values.shape == (3, 4)
+    assert isinstance(network, gcppo.LSTMNetwork) and values.shape == (3, 4)
     # end to end: pretraining and FlexLoop with both flags, and the checkpoint rebuilds the LSTM
     run_dir = gcppo.train(gcppo.Args(cuda=False, num_envs=8, num_steps=8, num_minibatches=2, update_epochs=1, depth=3,
                                      hidden_dim=8, pretrain_timesteps=64, total_timesteps=64, num_eval_envs=4,
                                      run_dir=str(tmp_path), backbone="lstm", depth_target="final"))
     network, _ = gcppo.network_from_checkpoint(gcppo.load_checkpoint(run_dir / "final.pt"))
-    assert isinstance(network, gcppo.LSTMActorCritic)
+    assert isinstance(network, gcppo.LSTMNetwork)
 
 
 def test_gciql_final_target_and_lstm_backbone(tmp_path):

@@ -45,13 +45,13 @@ def hand_made_deltas(with_depth_zero):
     ])  # (K, rows, actions)
     decisions = list(per_depth)
     decision_0 = torch.zeros(3, 3) if with_depth_zero else None  # pi_0: uniform
-    return ea.adjacent_divergences(gcdqn.IRUQNetwork, decisions, decision_0)
+    return ea.adjacent_divergences(gcdqn.IRUNetwork, decisions, decision_0)
 
 
 def test_adjacent_divergence_is_the_training_direction():
     deltas = hand_made_deltas(with_depth_zero=True)
     p, q = torch.tensor([[0., 0, 4]]), torch.tensor([[0., 4, 0]])  # row 1's pi_3, pi_2
-    assert torch.allclose(deltas[2, 1], gcdqn.IRUQNetwork.divergence(p, q)[0])  # delta_3 = D(pi_3, pi_2)
+    assert torch.allclose(deltas[2, 1], gcdqn.IRUNetwork.divergence(p, q)[0])  # delta_3 = D(pi_3, pi_2)
     assert deltas[3, 1] < 1e-3 < deltas[1, 1]
     assert torch.isinf(hand_made_deltas(with_depth_zero=False)[0]).all()  # no pi_0: depth 1 can never stop
 
@@ -81,7 +81,7 @@ def test_per_row_eps():
 
 def random_network_and_batch(seed=0, batch=64):
     torch.manual_seed(seed)
-    network = gcdqn.IRUQNetwork(depth=K, hidden_dim=16).eval()
+    network = gcdqn.IRUNetwork(depth=K, hidden_dim=16).eval()
     with torch.no_grad():  # a sharper Q-head: random depths then disagree by different amounts per state
         network.head.weight.mul_(10)
     obs, _ = envs.make_vec("BoxPick-Exact-4-v0", batch, seed=seed).unwrapped.reset()
@@ -192,7 +192,7 @@ def test_calibration_falls_back_to_the_smallest_eps_when_nothing_passes():
 class SolverNetwork:
     """The depth protocol around LightsOut's exact solver: every depth presses a button of the minimal solution."""
     depth = 3
-    divergence = staticmethod(gcdqn.IRUQNetwork.divergence)
+    divergence = staticmethod(gcdqn.IRUNetwork.divergence)
 
     def start(self, obs, goal):
         return obs, goal

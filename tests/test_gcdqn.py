@@ -53,7 +53,7 @@ def hand_iru(network, obs, goal, action, variant):
 @pytest.mark.parametrize("variant", ["residual", "paper"])
 def test_iru_matches_hand_computation(variant):
     torch.manual_seed(0)
-    network = gcdqn.IRUQNetwork(depth=3, hidden_dim=4, num_critics=2, variant=variant)
+    network = gcdqn.IRUNetwork(depth=3, hidden_dim=4, num_critics=2, variant=variant)
     with torch.no_grad():  # non-trivial norms, so a mistake in their use shows
         for p in network.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -68,13 +68,13 @@ def test_iru_matches_hand_computation(variant):
 
 
 def test_forget_gate_bias_starts_at_one():
-    network = gcdqn.IRUQNetwork(hidden_dim=8)
+    network = gcdqn.IRUNetwork(hidden_dim=8)
     assert torch.all(network.gates.bias[..., :8] == 1.0)
 
 
 def test_depth_protocol_matches_all_depths():
     torch.manual_seed(1)
-    network = gcdqn.IRUQNetwork(depth=4, hidden_dim=8)
+    network = gcdqn.IRUNetwork(depth=4, hidden_dim=8)
     obs, goal = torch.randint(0, 12, (5, 36)), torch.randint(0, 12, (5, 36))
     q = network.all_depths(obs, goal)
     state = network.start(obs, goal)

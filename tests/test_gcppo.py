@@ -126,7 +126,7 @@ def test_divergence_is_kl_p_q():
     p_logits, q_logits = torch.tensor([[4.0, 0.0, -2.0]]), torch.tensor([[0.0, 1.0, 0.5]])
     p, q = p_logits.softmax(-1), q_logits.softmax(-1)
     expected = (p * (p / q).log()).sum()
-    assert gcppo.IRUActorCritic.divergence(p_logits, q_logits).item() == pytest.approx(expected.item())
+    assert gcppo.IRUNetwork.divergence(p_logits, q_logits).item() == pytest.approx(expected.item())
     reverse = (q * (q / p).log()).sum()
     assert abs(expected - reverse) > 0.1  # the direction matters on this pair
 
@@ -160,7 +160,7 @@ def test_iru_equations_by_hand():
     c2 = sigma * c1 + (1 - sigma) * candidate
     expected = {"residual": [math.tanh(c1), math.tanh(c1) + math.tanh(c2)], "paper": [c1, c2]}
     for variant, values_by_hand in expected.items():
-        network = gcppo.IRUActorCritic(depth=2, hidden_dim=2, variant=variant)
+        network = gcppo.IRUNetwork(depth=2, hidden_dim=2, variant=variant)
         assert torch.all(network.gates.bias[:2] == 1.0)  # forget-gate bias initialised to +1
         with torch.no_grad():
             network.gates.weight.zero_()
@@ -179,7 +179,7 @@ def test_iru_wiring_matches_the_equations():
     layer_norm = lambda x, w, b: (x - x.mean(-1, keepdim=True)) / torch.sqrt(  # noqa: E731
         x.var(-1, unbiased=False, keepdim=True) + 1e-5) * w + b
     for variant in ["residual", "paper"]:
-        network = gcppo.IRUActorCritic(depth=3, hidden_dim=4, variant=variant)
+        network = gcppo.IRUNetwork(depth=3, hidden_dim=4, variant=variant)
         with torch.no_grad():
             for param in [network.embed_norm.weight, network.embed_norm.bias, network.gate_norm.weight,
                           network.gate_norm.bias]:
@@ -206,7 +206,7 @@ def test_iru_wiring_matches_the_equations():
 
 
 def test_depth_protocol_and_act():
-    network = gcppo.IRUActorCritic(depth=3, hidden_dim=8)
+    network = gcppo.IRUNetwork(depth=3, hidden_dim=8)
     obs, goal = torch.randint(0, 2, (6, 20)).float(), torch.randint(0, 2, (6, 20)).float()
     state = network.start(obs, goal)
     assert torch.all(state[1] == 0) and torch.all(state[2] == 0)  # zero recurrent state at depth 0
@@ -225,7 +225,7 @@ def test_depth_protocol_and_act():
 
 
 def test_running_normalizer_matches_whole_data_statistics():
-    network = gcppo.IRUActorCritic(depth=2, hidden_dim=4)
+    network = gcppo.IRUNetwork(depth=2, hidden_dim=4)
     batches = [torch.rand(50, 40) * 3, torch.rand(70, 40), torch.rand(10, 40) - 2]
     for batch in batches:
         network.update_normalizer(batch[:, :20], batch[:, 20:])
@@ -443,7 +443,7 @@ def test_timeout_bootstrap_value_or_zero(tmp_path):
     """value (ours): a truncated step bootstraps from V(final obs); zero: a time-out is a termination."""
     gen = torch.Generator().manual_seed(3)
     T, N = 6, 5
-    network = gcppo.IRUActorCritic(depth=2, hidden_dim=8)
+    network = gcppo.IRUNetwork(depth=2, hidden_dim=8)
     buffers = gcppo.make_rollout_buffers(T, N, "cpu")
     for name in ["obs", "goal", "final_obs", "final_goal"]:
         buffers[name].copy_(torch.randint(0, 2, (T, N, 20), generator=gen).float())

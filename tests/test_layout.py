@@ -105,14 +105,14 @@ def test_help_shows_the_groups_and_the_flags_stay_flat():
 # ---------------------------------------------------------------------------------------------------------
 COPY_CHANGE = '''
 # The copy's change: its Q-values read a zeroed feature, so every state gets the same Q-values, the head's bias.
-_readout = IRUQNetwork.readout
+_readout = IRUNetwork.readout
 
 
 def zeroed_readout(self, state):
     return 0.0 * _readout(self, state)
 
 
-IRUQNetwork.readout = zeroed_readout
+IRUNetwork.readout = zeroed_readout
 '''
 
 
