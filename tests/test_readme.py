@@ -54,3 +54,13 @@ def test_pyproject_installs_the_envs_package_and_every_script():
     assert set(setuptools["py-modules"]) == scripts
     # requirements.txt keeps the tested torch pinned: an open range would pull a multi-GB CUDA build
     assert re.search(r"^torch==\d", (REPO / "requirements.txt").read_text(), flags=re.M)
+
+
+def test_every_checkpoint_the_readme_names_is_in_the_repository():
+    """The README's commands (the CPU evaluation among them) name committed checkpoints under carry/: a renamed
+    or dropped folder would break them. Paths with a placeholder (S, <time>, *) stand for several runs."""
+    named = set(re.findall(r"carry/[\w.\-/]+\.pt", README))
+    concrete = {path for path in named if "__S__" not in path}
+    assert "carry/BoxPick-Generalize-4-1-v0__cont280k-lambda1__1__1795737978/final.pt" in concrete
+    missing = sorted(path for path in concrete if not (REPO / path).is_file())
+    assert not missing, f"README names checkpoints that are not in the repository: {missing}"
