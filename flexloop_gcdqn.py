@@ -440,10 +440,10 @@ class LSTMNetwork(IRUNetwork):
 def build_network(args: Args, device):
     if args.backbone == "lstm":
         network = LSTMNetwork(args.depth, args.hidden_dim, args.num_critics, args.policy_temperature,
-                               args.init_alpha, args.obs_encoding)
+                              args.init_alpha, args.obs_encoding)
     else:
         network = IRUNetwork(args.depth, args.hidden_dim, args.num_critics, args.iru_variant,
-                              args.policy_temperature, args.init_alpha, args.obs_encoding)
+                             args.policy_temperature, args.init_alpha, args.obs_encoding)
     return (init_like_flax(network) if args.init == "flax" else network).to(device)
 
 
