@@ -1,7 +1,7 @@
 """Env steps per second of flexloop_gcppo.py's training loop (rollout + update epochs), at the default config.
 
-    python bench/ppo_throughput.py                       # GPU, defaults (2048 envs x 160 steps)
-    python bench/ppo_throughput.py --compile --cuda-graph
+    python bench/ppo_throughput.py                       # GPU, the script's defaults (compiled, CUDA graph)
+    python bench/ppo_throughput.py --no-compile --no-cuda-graph    # the eager loop
     python bench/ppo_throughput.py --cpu --num-envs 64 --num-steps 32 --num-minibatches 4 --iterations 2
 
 Runs train() with warmup and with warmup + iterations rollouts in each phase (pretraining, then FlexLoop
@@ -67,11 +67,12 @@ if __name__ == "__main__":
     parser.add_argument("--update-epochs", type=int, default=gcppo.Args.update_epochs)
     parser.add_argument("--warmup", type=int, default=1, help="rollouts per phase in the shorter run")
     parser.add_argument("--iterations", type=int, default=3, help="extra rollouts per phase in the longer run")
-    parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--cuda-graph", action="store_true")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=gcppo.Args.compile)
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=gcppo.Args.cuda_graph)
     cli = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() and not cli.cpu else "cpu")
+    on_gpu = device.type == "cuda"  # the script ignores --compile and --cuda-graph on a CPU
     batch = cli.num_envs * cli.num_steps
     # train()'s own printing goes to stderr: stdout is the JSON line alone.
     with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(sys.stderr):
@@ -90,7 +91,7 @@ if __name__ == "__main__":
     print(json.dumps({
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "num_envs": cli.num_envs, "num_steps": cli.num_steps, "num_minibatches": cli.num_minibatches,
-        "update_epochs": cli.update_epochs, "compile": cli.compile, "cuda_graph": cli.cuda_graph,
+        "update_epochs": cli.update_epochs, "compile": cli.compile and on_gpu, "cuda_graph": cli.cuda_graph and on_gpu,
         "timed_env_steps": steps, "seconds": round(long - short, 3),
         "env_steps_per_second": round(steps_per_second),
         "seconds_per_iteration": round((long - short) / (2 * cli.iterations), 3),
