@@ -1,6 +1,7 @@
 """flexloop_gcppo.py: GAE, the PPO loss, the adjacent-depth KL, the IRU equations, teacher value targets,
 smoke runs (both phases, CLI, resume, iru_pretrain, --init-checkpoint), bad input, and that learning happens."""
 
+import copy
 import dataclasses
 import json
 import math
@@ -508,6 +509,49 @@ def test_gpu_speedups_are_on_by_default_and_ignored_on_cpu(tmp_path, monkeypatch
     monkeypatch.setattr(torch, "compile", no_compile)
     run_dir = gcppo.train(args)
     assert (Path(run_dir) / "final.pt").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_captured_update_trains_as_the_eager_update_does(compiled, monkeypatch):
+    """The graph replays one recorded minibatch update; train() copies each minibatch's rows into its index
+    before a replay. Replays must train on those new rows, as eager updates do: same start, same rows, same
+    parameters and losses. The capture's 3 warm-up calls are real updates on the first minibatch."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    device = torch.device("cuda")
+    args = tiny_args(Path("."), cuda=True, num_envs=64, num_steps=8, num_minibatches=4, hidden_dim=32)
+    generator = torch.Generator(device).manual_seed(0)
+    buffers = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, device)
+    for name in ("obs", "goal"):
+        buffers[name].copy_(torch.rand(buffers[name].shape, generator=generator, device=device).round())
+    buffers["actions"].random_(0, 20, generator=generator)
+    for name in ("logprobs", "values", "advantages", "value_targets"):
+        buffers[name].normal_(generator=generator)
+    buffers["logprobs"].sub_(3.0)  # near log(1/20): ratios of a fresh policy stay near 1
+    rows = torch.randperm(args.num_envs * args.num_steps, generator=generator, device=device).view(4, -1)
+    start = gcppo.build_network(args, device)
+
+    def trainer():
+        network = copy.deepcopy(start)
+        optimizer = torch.optim.Adam(network.parameters(), lr=1e-3, capturable=True)
+        index, loss_sums = rows[0].clone(), torch.zeros(len(gcppo.LOSS_NAMES), device=device)
+        update = gcppo.make_update(args, network, optimizer, buffers, index, torch.tensor(0.5, device=device),
+                                   loss_sums)
+        return network, index, loss_sums, update
+
+    eager, eager_index, eager_sums, eager_update = trainer()
+    for i in [0, 0, 0, 0, 1, 2, 3]:  # the 3 warm-up updates, then one per minibatch
+        eager_index.copy_(rows[i])
+        eager_update()
+    graphed, graphed_index, graphed_sums, graphed_update = trainer()
+    replay = gcppo.capture_cuda_graph(torch.compile(graphed_update) if compiled else graphed_update, [])
+    for i in range(4):
+        graphed_index.copy_(rows[i])
+        replay()
+    torch.testing.assert_close(graphed_sums, eager_sums, rtol=1e-3, atol=1e-5)
+    for (name, a), b in zip(graphed.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=name)
+    assert not torch.allclose(graphed.actor.weight, start.actor.weight)  # it trained
 
 
 # ---------------------------------------------------------------------------------------------------------
