@@ -527,13 +527,13 @@ def test_captured_update_trains_as_the_eager_update_does(compiled, monkeypatch):
     buffers["actions"].random_(0, 20, generator=generator)
     for name in ("logprobs", "values", "advantages", "value_targets"):
         buffers[name].normal_(generator=generator)
-    buffers["logprobs"].sub_(3.0)  # near log(1/20): ratios of a fresh policy stay near 1
+    buffers["logprobs"].sub_(3.0)  # centred on log(1/20), a fresh policy's log-probabilities
     rows = torch.randperm(args.num_envs * args.num_steps, generator=generator, device=device).view(4, -1)
     start = gcppo.build_network(args, device)
 
     def trainer():
         network = copy.deepcopy(start)
-        optimizer = torch.optim.Adam(network.parameters(), lr=1e-3, capturable=True)
+        optimizer = torch.optim.Adam(network.parameters(), lr=1e-3, eps=args.adam_eps, capturable=True)
         index, loss_sums = rows[0].clone(), torch.zeros(len(gcppo.LOSS_NAMES), device=device)
         update = gcppo.make_update(args, network, optimizer, buffers, index, torch.tensor(0.5, device=device),
                                    loss_sums)
@@ -548,7 +548,8 @@ def test_captured_update_trains_as_the_eager_update_does(compiled, monkeypatch):
     for i in range(4):
         graphed_index.copy_(rows[i])
         replay()
-    torch.testing.assert_close(graphed_sums, eager_sums, rtol=1e-3, atol=1e-5)
+    smooth = [i for i, name in enumerate(gcppo.LOSS_NAMES) if name != "losses/clipfrac"]  # a count can flip a row
+    torch.testing.assert_close(graphed_sums[smooth], eager_sums[smooth], rtol=1e-3, atol=1e-5)
     for (name, a), b in zip(graphed.named_parameters(), eager.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=name)
     assert not torch.allclose(graphed.actor.weight, start.actor.weight)  # it trained
