@@ -89,7 +89,7 @@ if __name__ == "__main__":
     steps = 2 * cli.iterations * batch
     steps_per_second = steps / (long - short)
     print(json.dumps({
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
         "num_envs": cli.num_envs, "num_steps": cli.num_steps, "num_minibatches": cli.num_minibatches,
         "update_epochs": cli.update_epochs, "compile": cli.compile and on_gpu, "cuda_graph": cli.cuda_graph and on_gpu,
         "timed_env_steps": steps, "seconds": round(long - short, 3),
