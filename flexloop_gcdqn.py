@@ -1104,6 +1104,7 @@ class Run:
             self.init = load_checkpoint(args.init_checkpoint)
             check_compatible(self.init, args)
         self.device = pick_device(args)
+        self.compile = args.compile and self.device.type == "cuda"  # on a CPU compiling does not pay
         self.cuda_graph = args.cuda_graph and self.device.type == "cuda"
         random.seed(args.seed)
         np.random.seed(args.seed)
@@ -1189,6 +1190,10 @@ class Run:
 
     def running(self):
         return self.iteration < self.total_iterations and self.stop.reason is None
+
+    def compiled(self, fn):
+        """fn compiled by torch.compile with --compile on a GPU, fn itself otherwise."""
+        return torch.compile(fn) if self.compile else fn
 
     def graphed(self, fn, generators, *args):
         """fn(*args) replayed from a CUDA graph with --cuda-graph on a GPU, eager otherwise."""
@@ -1360,8 +1365,7 @@ def train(args: Args):
             if phase not in updates_by_phase:  # made at the phase's first iteration, once the replay holds data
                 update = make_update(args, network, target_network, optimizer, replay, generators["replay"],
                                      lambda_depth, loss_sums, td_weights, teacher, all_action_gradients=lam > 0)
-                update = torch.compile(update) if args.compile and device.type == "cuda" else update
-                updates_by_phase[phase] = run.graphed_update(update, [generators["replay"]])
+                updates_by_phase[phase] = run.graphed_update(run.compiled(update), [generators["replay"]])
             for _ in run.update_steps(args.updates_per_rollout):
                 updates_by_phase[phase]()
             if not run.end_iteration():

@@ -539,12 +539,12 @@ def flexloop_losses(network, target_critic, batch, args, lambda_depth):
 
 
 def make_update(args, network, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
-                compile_losses=False):
+                losses=flexloop_losses):
     """One update: sample a batch, the losses of `flexloop_losses`, Adam, Polyak averaging of the target critic.
     No host sync, fixed shapes: it can be captured in a CUDA graph. lambda_depth is a 0-d tensor, so one captured
     graph serves both phases; the loss parts add to loss_sums. With --bf16 the losses' network passes run under
-    bf16 autocast; the backward pass runs outside it, as torch.autocast advises."""
-    losses = torch.compile(flexloop_losses) if compile_losses else flexloop_losses
+    bf16 autocast; the backward pass runs outside it, as torch.autocast advises. `losses` is flexloop_losses,
+    compiled or not (the update around it is captured, not compiled)."""
     critic_params, target_params = list(network.critic.parameters()), list(target_critic.parameters())
 
     def update():
@@ -1046,6 +1046,7 @@ class Run:
             self.init = load_checkpoint(args.init_checkpoint)
             check_compatible(self.init, args)
         self.device = pick_device(args)
+        self.compile = args.compile and self.device.type == "cuda"  # on a CPU compiling does not pay
         self.cuda_graph = args.cuda_graph and self.device.type == "cuda"
         random.seed(args.seed)
         np.random.seed(args.seed)
@@ -1131,6 +1132,10 @@ class Run:
 
     def running(self):
         return self.iteration < self.total_iterations and self.stop.reason is None
+
+    def compiled(self, fn):
+        """fn compiled by torch.compile with --compile on a GPU, fn itself otherwise."""
+        return torch.compile(fn) if self.compile else fn
 
     def graphed(self, fn, generators, *args):
         """fn(*args) replayed from a CUDA graph with --cuda-graph on a GPU, eager otherwise."""
@@ -1275,7 +1280,7 @@ def train(args: Args):
     on_cuda = device.type == "cuda"
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=on_cuda, fused=on_cuda)
     update = make_update(args, network, target_critic, optimizer, dataset, generators["sample"], lambda_depth,
-                         loss_sums, compile_losses=args.compile and on_cuda)
+                         loss_sums, losses=run.compiled(flexloop_losses))
 
     # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network was given, then FlexLoop. An iteration
     # is one update.

@@ -1024,6 +1024,7 @@ class Run:
             self.init = load_checkpoint(args.init_checkpoint)
             check_compatible(self.init, args)
         self.device = pick_device(args)
+        self.compile = args.compile and self.device.type == "cuda"  # on a CPU compiling does not pay
         self.cuda_graph = args.cuda_graph and self.device.type == "cuda"
         random.seed(args.seed)
         np.random.seed(args.seed)
@@ -1109,6 +1110,10 @@ class Run:
 
     def running(self):
         return self.iteration < self.total_iterations and self.stop.reason is None
+
+    def compiled(self, fn):
+        """fn compiled by torch.compile with --compile on a GPU, fn itself otherwise."""
+        return torch.compile(fn) if self.compile else fn
 
     def graphed(self, fn, generators, *args):
         """fn(*args) replayed from a CUDA graph with --cuda-graph on a GPU, eager otherwise."""
@@ -1255,9 +1260,7 @@ def train(args: Args):
     batch_size = args.num_envs * args.num_steps
     minibatch_index = torch.zeros(batch_size // args.num_minibatches, dtype=torch.long, device=device)
     episode_sums = torch.zeros(4, device=device)  # finished episodes: count, successes, returns, lengths
-    update = make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums)
-    if args.compile and device.type == "cuda":
-        update = torch.compile(update)
+    update = run.compiled(make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums))
 
     # Phases: IRU-K pretraining (lambda = 0, GAE value targets) unless a pretrained network was given, then
     # FlexLoop. Budgets are whole rollouts.

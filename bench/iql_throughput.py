@@ -56,8 +56,9 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
     generator = torch.Generator(device).manual_seed(0)
     lambda_depth = torch.full((), lam, device=device)
     loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device=device)
+    losses = torch.compile(gciql.flexloop_losses) if mode == "compile-graph" else gciql.flexloop_losses
     update = gciql.make_update(args, agent, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
-                               compile_losses=mode == "compile-graph")
+                               losses=losses)
     if mode == "compile-update-graph":
         update = torch.compile(update)
     if mode.endswith("graph"):

@@ -323,6 +323,19 @@ def smoke_run(data_dir, tmp_path_factory):
     return run_dir
 
 
+def test_gpu_speedups_are_on_by_default_and_ignored_on_cpu(data_dir, tmp_path, monkeypatch):
+    # On a GPU the losses are compiled and the update graphed; a CPU run with the same defaults must neither
+    # compile nor fail on the GPU-only flags.
+    args = tiny_args(data_dir, tmp_path)
+    assert args.compile and args.cuda_graph
+
+    def no_compile(*_, **__):
+        raise AssertionError("torch.compile was called on a CPU run")
+
+    monkeypatch.setattr(torch, "compile", no_compile)
+    assert (Path(gciql.train(args)) / "final.pt").exists()
+
+
 def test_smoke_run_two_phases(smoke_run):
     assert {"pretrained.pt", "latest.pt", "final.pt", "metrics.jsonl"} <= {p.name for p in smoke_run.iterdir()}
     records = read_metrics(smoke_run)
