@@ -8,3 +8,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def no_torch_compile(monkeypatch):
+    """Fail the test if anything calls torch.compile: a CPU run must ignore the scripts' --compile default."""
+    def no_compile(*_, **__):
+        raise AssertionError("torch.compile was called on a CPU run")
+
+    monkeypatch.setattr(torch, "compile", no_compile)
