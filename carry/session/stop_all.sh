@@ -1,0 +1,8 @@
+#!/bin/bash
+# Let the runs go on for $1 seconds (collecting), then SIGTERM them: each writes latest.pt and exits; collect last.
+end=$(( $(date +%s) + $1 ))
+while [ $(date +%s) -lt $end ]; do sleep 30; bash carry/session/collect.sh; done
+pkill -TERM -f flexloop_gcdqn.py
+for i in $(seq 60); do pgrep -f flexloop_gcdqn.py > /dev/null || break; sleep 1; done
+echo "stopped after $i s"; bash carry/session/collect.sh
+cd /root/w && for f in logs/*.log; do echo "== $f"; tail -c 800 $f; echo; done
