@@ -1,8 +1,13 @@
 #!/bin/bash
-# Copy progress (logs, metrics) and each run's latest.pt to $OUT.
+# Copy progress to $OUT: logs, metrics and eval_adaptive results in progress.tgz; the latest.pt of each reference run
+# that trained on this machine (newer than the plan's start) and the final.pt of each lambda-1 continuation.
 cd /root/w || exit 0
-tar czf $OUT/progress.tgz.tmp logs runs/*/metrics.jsonl /root/plan.log 2>/dev/null; mv $OUT/progress.tgz.tmp $OUT/progress.tgz
-for d in runs/*__ref__*; do
-  n=$(basename $d | sed -E 's/BoxPick-(Exact-[34])-v0__ref__([0-9])__.*/\1_ref_s\2/')
-  [ -f $d/latest.pt ] && cp $d/latest.pt $OUT/$n.pt.tmp && mv $OUT/$n.pt.tmp $OUT/$n.pt
+tar czf $OUT/progress.tgz.tmp logs runs/*/metrics.jsonl results /root/plan.log 2>/dev/null; mv $OUT/progress.tgz.tmp $OUT/progress.tgz
+short() { basename $1 | sed -E 's/BoxPick-(Exact-[34]|Generalize-4-[12])-v0__([a-z0-9-]+)__([0-9])__.*/\1_\2_s\3/'; }
+for f in runs/*__ref__*/latest.pt; do
+  [ $f -nt /root/plan.started ] && cp $f $OUT/$(short $(dirname $f)).pt.tmp && mv $OUT/$(short $(dirname $f)).pt.tmp $OUT/$(short $(dirname $f)).pt
 done
+for f in runs/*__ref-lambda1__*/final.pt; do
+  [ -f $f ] && cp $f $OUT/$(short $(dirname $f)).pt.tmp && mv $OUT/$(short $(dirname $f)).pt.tmp $OUT/$(short $(dirname $f)).pt
+done
+true
