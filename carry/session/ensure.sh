@@ -1,14 +1,17 @@
 #!/bin/bash
-# Once per machine: install the carried wheels, copy the tree to /root/w and start the plan there in its own session.
+# Once per machine and plan: install the carried wheels, copy the tree to /root/w (first plan only) and start the
+# plan there in its own process session, so that it outlives the call. A second plan can follow the first.
+plan=${1%.sh}   # plan_resume_ref or plan_flexloop_ref (.sh may be given)
 if [ ! -f /tmp/site/.ok ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.ok || exit 1
 fi
-if [ ! -f /root/plan.started ]; then
-  touch /root/plan.started
-  mkdir -p /root/w && tar --exclude=./.git -cf - . | (cd /root/w && tar xf -)
-  (cd /root/w && PYTHONPATH=/tmp/site setsid nohup bash carry/session/$1 > /root/plan.log 2>&1 < /dev/null &)
-  echo "plan $1 started $(date)"
+if [ ! -f /root/started_$plan ]; then
+  [ -f /root/plan.started ] || touch /root/plan.started   # the first plan's start: collect.sh compares with it
+  touch /root/started_$plan
+  [ -d /root/w ] || { mkdir -p /root/w && tar --exclude=./.git -cf - . | (cd /root/w && tar xf -); }
+  (cd /root/w && PYTHONPATH=/tmp/site setsid nohup bash carry/session/$plan.sh > /root/log_$plan.log 2>&1 < /dev/null &)
+  echo "plan $plan started $(date)"
 else
-  echo "plan already running since $(stat -c %y /root/plan.started)"
+  echo "plan $plan already started at $(stat -c %y /root/started_$plan)"
 fi
 nvidia-smi --query-gpu=index,name,utilization.gpu,memory.used --format=csv
