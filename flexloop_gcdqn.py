@@ -190,7 +190,8 @@ class PerformanceArgs:
     require_cuda: bool = False
     """fail instead of falling back to CPU when no GPU is present"""
     compile: bool = True
-    """torch.compile the update on GPU (about 2x faster there; ignored on CPU, where it does not pay)"""
+    """torch.compile the update and the collection's policy on GPU (the update about 2x faster there; ignored on
+    CPU, where it does not pay)"""
     cuda_graph: bool = True
     """capture one update (sampling included) in a CUDA graph and replay it (GPU only)"""
     bf16: bool = True
@@ -686,18 +687,25 @@ def make_envs(args, device):
     return env, eval_envs
 
 
-@torch.no_grad()
-def act_at_depth(network, obs, goal, depth, generator):
+def policy_logits(network, obs, goal, depth):
+    """pi_k's logits at `depth`: the part of acting that torch.compile can fuse into few kernels (the sampling
+    stays outside, since a draw from a named torch.Generator breaks a compiled graph)."""
     state = network.start(obs, goal)
     for _ in range(depth):
         state = network.advance(state)
-    return network.act(network.decide(state), generator)
+    return network.decide(state)
 
 
 @torch.no_grad()
-def run_episode(network, env, depth, generator):
+def act_at_depth(network, obs, goal, depth, generator, logits_fn=policy_logits):
+    return network.act(logits_fn(network, obs, goal, depth), generator)
+
+
+@torch.no_grad()
+def run_episode(network, env, depth, generator, logits_fn=policy_logits):
     """One episode in every env from a fresh reset, acting at `depth`. Returns the trajectories and the
-    end-of-episode statistics as device tensors (no host sync)."""
+    end-of-episode statistics as device tensors (no host sync). `logits_fn` is policy_logits or, in training on a
+    GPU, its compiled form."""
     obs, _ = env.reset()
     observations, actions = [obs["observation"]], []
     alive = torch.ones(env.num_envs, dtype=torch.bool, device=env.device)
@@ -705,7 +713,7 @@ def run_episode(network, env, depth, generator):
     success = torch.zeros(env.num_envs, device=env.device)
     boxes = torch.zeros(env.num_envs, device=env.device)
     for _ in range(env.episode_length):
-        action = act_at_depth(network, obs["observation"], obs["desired_goal"], depth, generator)
+        action = act_at_depth(network, obs["observation"], obs["desired_goal"], depth, generator, logits_fn)
         obs, reward, terminated, truncated, info = env.step(action)
         observations.append(info["final_obs"]["observation"])
         actions.append(action.to(torch.int8))
@@ -1349,9 +1357,9 @@ def train(args: Args):
     parts = {"model": network, "target_model": target_network, "optimizer": optimizer}
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=args.num_envs * args.episode_length,
               updates_per_iteration=args.updates_per_rollout, progress="updates")
-    # One training episode in every env at full depth, replayed from a CUDA graph on a GPU.
+    # One training episode in every env at full depth, replayed from a CUDA graph on a GPU, the policy compiled.
     collect = run.graphed(run_episode, [generators["actions"], env.generator], network, env, args.depth,
-                          generators["actions"])
+                          generators["actions"], run.compiled(policy_logits))
     updates_by_phase = {}  # one update per phase: a phase with lambda = 0 needs no gradient at untaken actions
 
     with run:

@@ -10,7 +10,8 @@ update, then captured), autotune-graph (compiled with mode="max-autotune-no-cuda
 path is measured in eager mode first, and every mode's rate is also given as a ratio to that eager rate.
 Three update paths: lambda = 0 with gradient at the taken action only (what pretraining runs), lambda = 0 with
 gradients at all 6 actions (the path before), and lambda = 1 (FlexLoop, all 6 actions). The replay is filled with real episodes collected by the untrained network first.
-Prints one JSON line per measurement.
+Collection is measured eager, replayed from a CUDA graph, and replayed with the policy compiled (the script's
+default on a GPU). Prints one JSON line per measurement.
 """
 
 import argparse
@@ -47,16 +48,18 @@ def setup(args, device):
     return env, network, target_network, optimizer, replay
 
 
-def measure_collection(args, device, episodes, graph):
-    """One 100-step episode in every env at full depth, eager or replayed from a CUDA graph as the script does."""
+def measure_collection(args, device, episodes, mode):
+    """One 100-step episode in every env at full depth: eager, replayed from a CUDA graph (graph), or replayed with
+    the policy compiled first (compile-graph, what the script does on a GPU)."""
     env, network, _, _, replay = setup(args, device)
     generator = torch.Generator(device).manual_seed(0)
+    logits_fn = torch.compile(gcdqn.policy_logits) if mode == "compile-graph" else gcdqn.policy_logits
 
     def collect():
-        return gcdqn.run_episode(network, env, args.depth, generator)
+        return gcdqn.run_episode(network, env, args.depth, generator, logits_fn)
 
-    if graph:
-        collect = gcdqn.capture_cuda_graph(collect, [generator, env.generator])  # warms up too
+    if mode in ("graph", "compile-graph"):
+        collect = gcdqn.capture_cuda_graph(collect, [generator, env.generator])  # warms up (and compiles) too
     else:
         collect()  # warm-up
     sync(device)
@@ -65,7 +68,7 @@ def measure_collection(args, device, episodes, graph):
         replay.add(*collect()[:3])
     sync(device)
     elapsed = time.perf_counter() - start
-    return {"what": "collection", "mode": "graph" if graph else "eager",
+    return {"what": "collection", "mode": mode,
             "env_steps_per_second": round(episodes * args.num_envs * args.episode_length / elapsed)}
 
 
@@ -118,8 +121,9 @@ if __name__ == "__main__":
     parser.add_argument("--profile", action="store_true",
                         help="also report the 8 largest GPU kernels per measurement (compile mode: the ops behind them)")
     parser.add_argument("--skip-collection", action="store_true")
-    parser.add_argument("--paths", nargs="+", default=["taken", "all-actions", "flexloop"],
-                        help="taken (lambda 0, taken action), all-actions (lambda 0, the path before), flexloop (lambda 1)")
+    parser.add_argument("--paths", nargs="*", default=["taken", "all-actions", "flexloop"],
+                        help="taken (lambda 0, taken action), all-actions (lambda 0, the path before), flexloop "
+                             "(lambda 1); none: collection alone")
     parser.add_argument("--fused-adam", action="store_true", help="torch.optim.Adam(fused=True) instead of foreach")
     parser.add_argument("--grads-to-none", action="store_true",
                         help="zero_grad(set_to_none=True) in the update: backward writes the gradients, no zeroing")
@@ -135,8 +139,8 @@ if __name__ == "__main__":
               "batch_size": args.batch_size, "num_envs": args.num_envs,
               "bf16": cli.bf16 and device.type == "cuda", **OPTIMIZER_VARIANT}  # a CPU update stays float32
     if not cli.skip_collection:
-        for graph in [False, True] if device.type == "cuda" else [False]:
-            print(json.dumps({**measure_collection(args, device, cli.collect_episodes, graph), **common}), flush=True)
+        for mode in ["eager", "graph", "compile-graph"] if device.type == "cuda" else ["eager"]:
+            print(json.dumps({**measure_collection(args, device, cli.collect_episodes, mode), **common}), flush=True)
     # The update paths the script runs: lambda = 0 with gradient at the taken action only (pretraining, Self-TD
     # Only), lambda = 1 with all 6 actions (FlexLoop); and lambda = 0 with all 6 actions, the path before.
     paths = {"taken": (0.0, False), "all-actions": (0.0, True), "flexloop": (1.0, True)}

@@ -86,6 +86,20 @@ def test_depth_protocol_matches_all_depths():
     torch.testing.assert_close(network.decide(gathered), network.decide(state)[rows])
 
 
+
+@pytest.mark.parametrize("overrides", [{}, {"backbone": "lstm"}, {"obs_encoding": "onehot"}, {"iru_variant": "paper"}])
+def test_the_acting_policy_traces_as_one_compiled_graph(overrides):
+    """Training compiles policy_logits for collection on a GPU. fullgraph=True fails on any graph break (a host
+    sync, a data-dependent branch), which would split the compiled step into pieces and recompile them."""
+    args = dataclasses.replace(gcdqn.Args(), depth=3, hidden_dim=16, **overrides)
+    network = gcdqn.build_network(args, torch.device("cpu"))
+    obs, goal = torch.randint(0, 12, (5, 36)), torch.randint(0, 12, (5, 36))
+    compiled = torch.compile(gcdqn.policy_logits, fullgraph=True, backend="eager")  # traced, not code-generated
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(network, obs, goal, 3), gcdqn.policy_logits(network, obs, goal, 3),
+                                   rtol=0, atol=0)
+
+
 # ----- the FlexLoop KL -----
 
 def test_depth_kl_direction_value_and_gradient():
@@ -447,6 +461,36 @@ def test_captured_update_draws_a_fresh_batch_at_every_replay(compiled, all_actio
         assert not torch.equal(draws[first], draws[second])
         assert (draws[first][0] != draws[second][0]).float().mean() > 0.5  # most rows move to another env
     assert torch.isfinite(loss_sums).all() and loss_sums[0] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_compiled_collection_acts_as_the_eager_one_does():
+    """train() collects with policy_logits compiled by inductor. From the same env and generator states it must
+    act as the eager policy does: every env's 100 actions the same, but for the rare near-tie that a float
+    rounding flips (that env's episode then goes its own way). Captured in a CUDA graph, each replay collects a
+    new episode."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 matmuls in both, so that only the fusion differs
+    try:
+        args = dataclasses.replace(gcdqn.Args(), num_envs=256, hidden_dim=64)
+        device = torch.device("cuda")
+        network = gcdqn.build_network(args, device)
+        compiled_logits = torch.compile(gcdqn.policy_logits)
+        actions = {}
+        for name, logits_fn in [("eager", gcdqn.policy_logits), ("compiled", compiled_logits)]:
+            env = BoxPickVecEnv(args.num_envs, variant="Exact-4", device=device, seed=0, check_actions=False)
+            generator = torch.Generator(device).manual_seed(0)
+            actions[name] = gcdqn.run_episode(network, env, args.depth, generator, logits_fn)[1]
+        same_episode = (actions["eager"] == actions["compiled"]).all(1)
+        assert same_episode.float().mean() > 0.95, same_episode.float().mean()
+
+        generator = torch.Generator(device).manual_seed(1)
+        collect = gcdqn.capture_cuda_graph(lambda: gcdqn.run_episode(network, env, args.depth, generator,
+                                                                     compiled_logits), [generator, env.generator])
+        first = collect()[1].clone()
+        assert not torch.equal(first, collect()[1])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 @pytest.mark.parametrize("backbone", ["iru", "lstm"])
