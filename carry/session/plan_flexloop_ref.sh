@@ -18,7 +18,14 @@ continue_and_evaluate() {  # gpu env seed tag
     runs/$env-v0__ref-lambda0__${seed}__*/final.pt runs/$env-v0__ref-lambda1__${seed}__*/final.pt \
     --labels IRU-5 Self-TD-Only FlexLoop $EVAL_FLAGS --exp-name ${tag} --out-dir results/$tag > logs/${tag}_eval.log 2>&1
 }
-continue_and_evaluate 0 BoxPick-Exact-3 1 exact3_ref_s1 &
+(  # GPU 0 first runs the GPU-only tests and the collection benchmark (BENCHMARKS.md, "the collection's policy
+   # compiled"); a CPU dry run has no nvidia-smi and skips them
+  if nvidia-smi > /dev/null 2>&1; then
+    CUDA_VISIBLE_DEVICES=0 python3 -m pytest tests -q -rs -k "cuda or captured or compiled or bf16" > logs/gpu_tests.log 2>&1
+    CUDA_VISIBLE_DEVICES=0 python3 bench/train_throughput.py --paths > logs/bench_collection.log 2>&1
+  fi
+  continue_and_evaluate 0 BoxPick-Exact-3 1 exact3_ref_s1
+) &
 for s in 1 2 3; do continue_and_evaluate $s BoxPick-Exact-4 $s exact4_ref_s$s & done
 wait
 echo "plan finished $(date)"

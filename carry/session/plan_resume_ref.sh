@@ -7,7 +7,7 @@ for s in 1 2 3; do
   CUDA_VISIBLE_DEVICES=$s python3 flexloop_gcdqn.py --resume $d/latest.pt --require-cuda --save-every-minutes 2 > logs/exact4_ref_s$s.log 2>&1 &
 done
 (
-  CUDA_VISIBLE_DEVICES=0 python3 -m pytest tests -q -rs -k "cuda or captured or compiled or bf16" > logs/gpu_tests.log 2>&1
+  [ -f logs/gpu_tests.log ] || CUDA_VISIBLE_DEVICES=0 python3 -m pytest tests -q -rs -k "cuda or captured or compiled or bf16" > logs/gpu_tests.log 2>&1
   d=$(ls -d runs/BoxPick-Exact-3-v0__ref__1__*)
   CUDA_VISIBLE_DEVICES=0 python3 flexloop_gcdqn.py --resume $d/latest.pt --require-cuda --save-every-minutes 2 > logs/exact3_ref_s1.log 2>&1
 ) &
