@@ -1,4 +1,5 @@
-"""bench/plot_parity.py: every run is drawn however many are given, and a run's cut last line is skipped."""
+"""bench/plot_parity.py: every run is drawn however many are given, and a run's cut last line is skipped.
+bench/seed_table.py: the mean and sample std over seeds of eval_adaptive.py results."""
 
 import importlib.util
 import json
@@ -6,6 +7,7 @@ import sys
 from pathlib import Path
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
@@ -66,3 +68,42 @@ def test_plot_parity_draws_only_the_depths_asked_for_one_colour_per_run(tmp_path
     assert [list(line.get_ydata()) for line in train.lines] == [[0.3, 0.6], [0.6, 0.6]]  # depth 3 of each run
     assert train.lines[0].get_color() != train.lines[1].get_color()
     plt.close("all")
+
+
+def write_eval_adaptive_results(path, labels, full_depth_success, mean_depth):
+    """A results.json of eval_adaptive.py reduced to what seed_table.py reads: 3 depths, eps grid {0, 0.05}."""
+    checkpoints = []
+    for label, success in zip(labels, full_depth_success):
+        split_results = {split: {"eps": 0.05, "success": success, "mean_depth": mean_depth}
+                         for split in ("train", "unseen")}
+        checkpoints.append({
+            "label": label,
+            "elasticity": {split: [0.0, success / 2, success] for split in ("train", "unseen")},
+            "calibration": {"results": split_results},
+            "adaptive": {split: [{"eps": 0.0, "success": success, "mean_depth": 3.0},
+                                 {"eps": 0.05, "success": success, "mean_depth": mean_depth}]
+                         for split in ("train", "unseen")}})
+    path.write_text(json.dumps({"checkpoints": checkpoints}))
+
+
+def test_seed_table_gives_mean_and_sample_std_over_the_files(tmp_path):
+    seed_table = load_bench("seed_table")
+    paths = []
+    for seed, (success, depth) in enumerate([(0.90, 2.0), (0.80, 2.5), (0.70, 3.0)]):
+        paths.append(tmp_path / f"s{seed}.json")
+        write_eval_adaptive_results(paths[-1], ["IRU-5", "FlexLoop"], [0.5, success], depth)
+    table = seed_table.table(seed_table.load(paths), eps=0.05)
+    flexloop_train = next(line for line in table.splitlines() if line.startswith("| FlexLoop | train"))
+    # depth 2 is success / 2: 0.45, 0.40, 0.35 -> mean 0.400, sample std 0.050; depth 3: 0.800 ± 0.100
+    assert "| 0.000 ± 0.000 | 0.400 ± 0.050 | 0.800 ± 0.100 |" in flexloop_train
+    assert "0.800 ± 0.100 at 2.500 ± 0.500 (eps 0.05)" in flexloop_train  # calibrated
+    assert flexloop_train.endswith("| 0.800 ± 0.100 at 2.500 ± 0.500 |")  # at --eps 0.05
+    assert sum(line.startswith("| IRU-5 |") for line in table.splitlines()) == 2  # one row per split
+
+
+def test_seed_table_refuses_files_of_different_commands(tmp_path):
+    seed_table = load_bench("seed_table")
+    write_eval_adaptive_results(tmp_path / "a.json", ["IRU-5", "FlexLoop"], [0.5, 0.9], 2.0)
+    write_eval_adaptive_results(tmp_path / "b.json", ["IRU-5", "Self-TD-Only"], [0.5, 0.9], 2.0)
+    with pytest.raises(SystemExit, match="same eval_adaptive.py command"):
+        seed_table.load([tmp_path / "a.json", tmp_path / "b.json"])
