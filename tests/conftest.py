@@ -19,3 +19,13 @@ def no_torch_compile(monkeypatch):
         raise AssertionError("torch.compile was called on a CPU run")
 
     monkeypatch.setattr(torch, "compile", no_compile)
+
+
+@pytest.fixture
+def exact_float32_matmuls():
+    """float32 matmuls, no TF32, so that two GPU paths (eager and compiled, eager and graphed) differ only by float
+    noise. Not monkeypatch: torch's cuBLAS settings object has no attribute to delete on undo."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous

@@ -464,33 +464,28 @@ def test_captured_update_draws_a_fresh_batch_at_every_replay(compiled, all_actio
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_compiled_collection_acts_as_the_eager_one_does():
+def test_compiled_collection_acts_as_the_eager_one_does(exact_float32_matmuls):
     """train() collects with policy_logits compiled by inductor. From the same env and generator states it must
     act as the eager policy does: every env's 100 actions the same, but for the rare near-tie that a float
     rounding flips (that env's episode then goes its own way). Captured in a CUDA graph, each replay collects a
     new episode."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 matmuls in both, so that only the fusion differs
-    try:
-        args = dataclasses.replace(gcdqn.Args(), num_envs=256, hidden_dim=64)
-        device = torch.device("cuda")
-        network = gcdqn.build_network(args, device)
-        compiled_logits = torch.compile(gcdqn.policy_logits)
-        actions = {}
-        for name, logits_fn in [("eager", gcdqn.policy_logits), ("compiled", compiled_logits)]:
-            env = BoxPickVecEnv(args.num_envs, variant="Exact-4", device=device, seed=0, check_actions=False)
-            generator = torch.Generator(device).manual_seed(0)
-            actions[name] = gcdqn.run_episode(network, env, args.depth, generator, logits_fn)[1]
-        same_episode = (actions["eager"] == actions["compiled"]).all(1)
-        assert same_episode.float().mean() > 0.95, same_episode.float().mean()
+    args = dataclasses.replace(gcdqn.Args(), num_envs=256, hidden_dim=64)
+    device = torch.device("cuda")
+    network = gcdqn.build_network(args, device)
+    compiled_logits = torch.compile(gcdqn.policy_logits)
+    actions = {}
+    for name, logits_fn in [("eager", gcdqn.policy_logits), ("compiled", compiled_logits)]:
+        env = BoxPickVecEnv(args.num_envs, variant="Exact-4", device=device, seed=0, check_actions=False)
+        generator = torch.Generator(device).manual_seed(0)
+        actions[name] = gcdqn.run_episode(network, env, args.depth, generator, logits_fn)[1]
+    same_episode = (actions["eager"] == actions["compiled"]).all(1)
+    assert same_episode.float().mean() > 0.95, same_episode.float().mean()
 
-        generator = torch.Generator(device).manual_seed(1)
-        collect = gcdqn.capture_cuda_graph(lambda: gcdqn.run_episode(network, env, args.depth, generator,
-                                                                     compiled_logits), [generator, env.generator])
-        first = collect()[1].clone()
-        assert not torch.equal(first, collect()[1])
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+    generator = torch.Generator(device).manual_seed(1)
+    collect = gcdqn.capture_cuda_graph(lambda: gcdqn.run_episode(network, env, args.depth, generator,
+                                                                 compiled_logits), [generator, env.generator])
+    first = collect()[1].clone()
+    assert not torch.equal(first, collect()[1])
 
 
 @pytest.mark.parametrize("backbone", ["iru", "lstm"])

@@ -506,16 +506,6 @@ def test_gpu_speedups_are_on_by_default_and_ignored_on_cpu(tmp_path, no_torch_co
     assert (Path(run_dir) / "final.pt").exists()
 
 
-@pytest.fixture
-def exact_float32_matmuls():
-    # TF32 would make the eager and graphed updates differ by more than float noise. Not monkeypatch: torch's
-    # cuBLAS settings object has no attribute to delete on undo, so the old value is set back by hand.
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("compiled", [False, True])
 def test_captured_update_trains_as_the_eager_update_does(compiled, exact_float32_matmuls):

@@ -3,13 +3,16 @@
 # that trained on this machine (newer than the first plan's start) and the final.pt of each lambda-1 continuation.
 cd /root/w || exit 0
 tar czf $OUT/progress.tgz.tmp logs runs/*/metrics.jsonl results /root/log_*.log 2>/dev/null; mv $OUT/progress.tgz.tmp $OUT/progress.tgz
-short() { basename $1 | sed -E 's/BoxPick-(Exact-[34]|Generalize-4-[12])-v0__([a-z0-9-]+)__([0-9])__.*/\1_\2_s\3/'; }
+copy_out() {  # copy_out FILE: to $OUT as e.g. Exact-4_ref_s1.pt, written whole before it takes its name
+  local name=$(basename $(dirname $1) | sed -E 's/BoxPick-(Exact-[34]|Generalize-4-[12])-v0__([a-z0-9-]+)__([0-9])__.*/\1_\2_s\3/')
+  cp $1 $OUT/$name.pt.tmp && mv $OUT/$name.pt.tmp $OUT/$name.pt
+}
 for f in runs/*__ref__*/latest.pt; do
-  [ $f -nt /root/plan.started ] && cp $f $OUT/$(short $(dirname $f)).pt.tmp && mv $OUT/$(short $(dirname $f)).pt.tmp $OUT/$(short $(dirname $f)).pt
+  [ $f -nt /root/plan.started ] && copy_out $f
 done
 # at most 8 files and 64 MiB come back: once the resume plan runs, its latest.pt files take the room (an earlier call
 # of the lease has brought the lambda-1 final.pt files back by then)
 [ -f /root/started_plan_resume_ref ] || for f in runs/*__ref-lambda1__*/final.pt; do
-  [ -f $f ] && cp $f $OUT/$(short $(dirname $f)).pt.tmp && mv $OUT/$(short $(dirname $f)).pt.tmp $OUT/$(short $(dirname $f)).pt
+  [ -f $f ] && copy_out $f
 done
 true
