@@ -86,7 +86,6 @@ def test_depth_protocol_matches_all_depths():
     torch.testing.assert_close(network.decide(gathered), network.decide(state)[rows])
 
 
-
 @pytest.mark.parametrize("overrides", [{}, {"backbone": "lstm"}, {"obs_encoding": "onehot"}, {"iru_variant": "paper"}])
 def test_the_acting_policy_traces_as_one_compiled_graph(overrides):
     """Training compiles policy_logits for collection on a GPU. fullgraph=True fails on any graph break (a host
