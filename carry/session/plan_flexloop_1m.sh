@@ -18,7 +18,14 @@ extend_and_evaluate() {  # gpu env seed tag
     runs/$env-v0__ref-lambda1-to1m__${seed}__*/final.pt --labels FlexLoop-200k FlexLoop-1M $EVAL_FLAGS \
     --exp-name ${tag}_to1m --out-dir results/${tag}_to1m > logs/${tag}_to1m_eval.log 2>&1
 }
-extend_and_evaluate 0 BoxPick-Exact-3 1 exact3_ref_s1 &
+(  # GPU 0 first measures the update paths and the collection in one process (BENCHMARKS.md, 13th session: the
+   # whole-interval rate with the policy eager or compiled, on one card); a CPU dry run has no nvidia-smi
+  if nvidia-smi > /dev/null 2>&1; then
+    CUDA_VISIBLE_DEVICES=0 python3 bench/train_throughput.py --modes compile-graph --paths taken flexloop \
+      --updates 2000 > logs/bench_interval.log 2>&1
+  fi
+  extend_and_evaluate 0 BoxPick-Exact-3 1 exact3_ref_s1
+) &
 for s in 1 2 3; do extend_and_evaluate $s BoxPick-Exact-4 $s exact4_ref_s$s & done
 wait
 echo "plan finished $(date)"
