@@ -1,16 +1,27 @@
 """Mean ± std over seeds of eval_adaptive.py results, as the README's markdown tables: success at each fixed depth,
-then adaptive success and mean depth at the calibrated eps (and at --eps, if given), per checkpoint label and split.
+then adaptive success and mean depth at the calibrated eps (and at --eps, if given), per checkpoint label and split,
+and each seed's mean depth at matched success (the first label's full-depth success less one standard error).
 
     python bench/seed_table.py results/exact4_ref_s{1,2,3}/results.json
     python bench/seed_table.py results/exact4_ref_s{1,2,3}/results.json --eps 0.05
+    # a checkpoint evaluated later beside the ones evaluated before, per seed: join the files with +
+    python bench/seed_table.py docs/runs/eval_adaptive_exact4_ref_seed1.results.json+results/exact4_ref_s1_to1m/results.json ...
 
-Each file is one seed's `eval_adaptive.py --checkpoints A B C --labels ...` run; the files must share the labels.
-The std is the sample standard deviation (n - 1), as in the README's tables.
+Each argument is one seed's `eval_adaptive.py --checkpoints A B C --labels ...` run, or several runs of one seed
+joined with + when they evaluated the same episodes (the same --seed, env, envs per split and eps grid); the seeds
+must share the labels. The std is the sample standard deviation (n - 1), as in the README's tables.
 """
 
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from eval_adaptive import matched_success  # noqa: E402
+
+SAME_EPISODES = ("env_id", "depth", "k_min", "eps_grid", "episodes")  # what joined runs of one seed must share
 
 
 def mean_std(values):
@@ -19,12 +30,32 @@ def mean_std(values):
     return f"{mean:.3f} ± {statistics.stdev(values):.3f}" if len(values) > 1 else f"{mean:.3f}"
 
 
+def seed_checkpoints(spec):
+    """The checkpoint entries of one seed: one results.json, or several joined with + (in that order), which must
+    have evaluated the same episodes, so that their numbers compare as if one command had made them."""
+    checkpoints, first = [], None
+    for path in str(spec).split("+"):
+        with open(path) as file:
+            results = json.load(file)
+        for checkpoint in results["checkpoints"]:
+            episodes = (results.get("args", {}).get("seed"), *(checkpoint.get(key) for key in SAME_EPISODES))
+            first = first or (path, episodes)
+            if episodes != first[1]:
+                raise SystemExit(f"{path} ({checkpoint['label']}) did not evaluate the episodes {first[0]} did (eval "
+                                 f"seed, {', '.join(SAME_EPISODES)}: {episodes} against {first[1]}); join only "
+                                 "eval_adaptive.py runs of one seed with the same --seed, env and --num-eval-envs")
+            checkpoints.append(checkpoint)
+    labels = [c["label"] for c in checkpoints]
+    if len(set(labels)) < len(labels):
+        raise SystemExit(f"{spec} joins checkpoints with the same label ({labels}); give them distinct --labels")
+    return checkpoints
+
+
 def load(paths):
-    """{label: [that label's checkpoint entry from each file]}, in the first file's order."""
+    """{label: [that label's checkpoint entry from each seed]}, in the first seed's order."""
     by_label = {}
     for path in paths:
-        with open(path) as file:
-            checkpoints = json.load(file)["checkpoints"]
+        checkpoints = seed_checkpoints(path)
         labels = [c["label"] for c in checkpoints]
         if by_label and labels != list(by_label):
             raise SystemExit(f"{path} has the labels {labels}, the first file {list(by_label)}: pass results of the "
@@ -42,11 +73,26 @@ def at_eps(checkpoint, split, eps):
                      f"({[p['eps'] for p in checkpoint['adaptive'][split]]}); pick one of those")
 
 
+def matched_depths(by_label):
+    """{(label, split): "d1 / d2 / ..."}: per seed, the mean depth at matched success against the first label."""
+    labels = list(by_label)
+    num_seeds = len(by_label[labels[0]])
+    per_seed = [matched_success([by_label[label][seed] for label in labels]) for seed in range(num_seeds)]
+    cells = {}
+    for rows in per_seed:
+        for row in rows:
+            depth = "not reached" if row["mean_depth"] is None else f"{row['mean_depth']:.2f}"
+            cells.setdefault((row["label"], row["split"]), []).append(depth)
+    return {key: " / ".join(depths) for key, depths in cells.items()}
+
+
 def table(by_label, eps=None):
     depth = len(next(iter(by_label.values()))[0]["elasticity"]["train"])
     header = ["model", "split"] + [f"depth {k}" for k in range(1, depth + 1)] + ["adaptive at calibrated eps"]
     if eps is not None:
         header.append(f"adaptive at eps = {eps}")
+    header.append(f"mean depth at matched success ({next(iter(by_label))}), per seed")
+    matched = matched_depths(by_label)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for split in ["train", "unseen"]:
         for label, runs in by_label.items():
@@ -59,13 +105,15 @@ def table(by_label, eps=None):
             if eps is not None:
                 points = [at_eps(run, split, eps) for run in runs]
                 cells.append(f"{mean_std(p['success'] for p in points)} at {mean_std(p['mean_depth'] for p in points)}")
+            cells.append(matched[(label, split)])
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="+", help="results.json of eval_adaptive.py, one per seed")
+    parser.add_argument("results", nargs="+", help="results.json of eval_adaptive.py, one per seed (several runs of "
+                        "one seed joined with +)")
     parser.add_argument("--eps", type=float, help="also report adaptive success at this eps of the grid")
     cli = parser.parse_args()
     print(f"{len(cli.results)} seeds: " + ", ".join(cli.results))

@@ -1,5 +1,6 @@
 """bench/plot_parity.py: every run is drawn however many are given, and a run's cut last line is skipped.
-bench/seed_table.py: the mean and sample std over seeds of eval_adaptive.py results."""
+bench/seed_table.py: the mean and sample std over seeds of eval_adaptive.py results, runs of one seed joined, and
+each seed's mean depth at matched success."""
 
 import importlib.util
 import json
@@ -70,20 +71,25 @@ def test_plot_parity_draws_only_the_depths_asked_for_one_colour_per_run(tmp_path
     plt.close("all")
 
 
-def write_eval_adaptive_results(path, labels, full_depth_success, mean_depth):
-    """A results.json of eval_adaptive.py reduced to what seed_table.py reads: 3 depths, eps grid {0, 0.05}."""
+def write_eval_adaptive_results(path, labels, full_depth_success, mean_depth, adaptive_success=None, eval_seed=1):
+    """A results.json of eval_adaptive.py reduced to what seed_table.py reads: 3 depths, eps grid {0, 0.05}, 1,000
+    episodes per split. At eps 0 each checkpoint has its full-depth success at mean depth 3; at eps 0.05,
+    adaptive_success (default: the same) at mean_depth."""
     checkpoints = []
-    for label, success in zip(labels, full_depth_success):
-        split_results = {split: {"eps": 0.05, "success": success, "mean_depth": mean_depth}
+    for i, (label, success) in enumerate(zip(labels, full_depth_success)):
+        at_005 = success if adaptive_success is None else adaptive_success[i]
+        split_results = {split: {"eps": 0.05, "success": at_005, "mean_depth": mean_depth}
                          for split in ("train", "unseen")}
         checkpoints.append({
-            "label": label,
+            "label": label, "env_id": "BoxPick-Exact-4-v0", "depth": 3, "k_min": 1, "eps_grid": [0.0, 0.05],
+            "episodes": {"train": 1000, "unseen": 1000},
             "elasticity": {split: [0.0, success / 2, success] for split in ("train", "unseen")},
             "calibration": {"results": split_results},
-            "adaptive": {split: [{"eps": 0.0, "success": success, "mean_depth": 3.0},
-                                 {"eps": 0.05, "success": success, "mean_depth": mean_depth}]
+            "adaptive": {split: [{"eps": 0.0, "success": success, "mean_depth": 3.0, "ideal_speedup": 1.0},
+                                 {"eps": 0.05, "success": at_005, "mean_depth": mean_depth,
+                                  "ideal_speedup": 3.0 / mean_depth}]
                          for split in ("train", "unseen")}})
-    path.write_text(json.dumps({"checkpoints": checkpoints}))
+    path.write_text(json.dumps({"args": {"seed": eval_seed}, "checkpoints": checkpoints}))
 
 
 def test_seed_table_gives_mean_and_sample_std_over_the_files(tmp_path):
@@ -97,7 +103,7 @@ def test_seed_table_gives_mean_and_sample_std_over_the_files(tmp_path):
     # depth 2 is success / 2: 0.45, 0.40, 0.35 -> mean 0.400, sample std 0.050; depth 3: 0.800 ± 0.100
     assert "| 0.000 ± 0.000 | 0.400 ± 0.050 | 0.800 ± 0.100 |" in flexloop_train
     assert "0.800 ± 0.100 at 2.500 ± 0.500 (eps 0.05)" in flexloop_train  # calibrated
-    assert flexloop_train.endswith("| 0.800 ± 0.100 at 2.500 ± 0.500 |")  # at --eps 0.05
+    assert "| 0.800 ± 0.100 at 2.500 ± 0.500 |" in flexloop_train  # at --eps 0.05
     assert sum(line.startswith("| IRU-5 |") for line in table.splitlines()) == 2  # one row per split
 
 
@@ -107,3 +113,29 @@ def test_seed_table_refuses_files_of_different_commands(tmp_path):
     write_eval_adaptive_results(tmp_path / "b.json", ["IRU-5", "Self-TD-Only"], [0.5, 0.9], 2.0)
     with pytest.raises(SystemExit, match="same eval_adaptive.py command"):
         seed_table.load([tmp_path / "a.json", tmp_path / "b.json"])
+
+
+def test_seed_table_joins_runs_of_one_seed_and_matches_success_against_the_first_label(tmp_path):
+    seed_table = load_bench("seed_table")
+    paths = []
+    # IRU-5 evaluated once (full depth 0.5: the floor is 0.5 - sqrt(0.25 / 1000) = 0.484), FlexLoop later, per seed
+    for seed, adaptive in enumerate([0.49, 0.40]):
+        write_eval_adaptive_results(tmp_path / f"iru{seed}.json", ["IRU-5"], [0.5], 4.0)
+        write_eval_adaptive_results(tmp_path / f"flex{seed}.json", ["FlexLoop"], [0.6], 2.0, adaptive_success=[adaptive])
+        paths.append(f"{tmp_path / f'iru{seed}.json'}+{tmp_path / f'flex{seed}.json'}")
+    by_label = seed_table.load(paths)
+    assert list(by_label) == ["IRU-5", "FlexLoop"] and all(len(runs) == 2 for runs in by_label.values())
+    flexloop_unseen = next(line for line in seed_table.table(by_label).splitlines()
+                           if line.startswith("| FlexLoop | unseen"))
+    # seed 1: 0.49 at eps 0.05 passes the floor, at mean depth 2; seed 2: 0.40 does not, so eps 0 (depth 3) is it
+    assert flexloop_unseen.endswith("| 2.00 / 3.00 |")
+
+
+def test_seed_table_refuses_to_join_other_episodes_or_repeated_labels(tmp_path):
+    seed_table = load_bench("seed_table")
+    write_eval_adaptive_results(tmp_path / "iru.json", ["IRU-5"], [0.5], 4.0)
+    write_eval_adaptive_results(tmp_path / "other_seed.json", ["FlexLoop"], [0.6], 2.0, eval_seed=2)
+    with pytest.raises(SystemExit, match="did not evaluate the episodes"):
+        seed_table.load([f"{tmp_path / 'iru.json'}+{tmp_path / 'other_seed.json'}"])
+    with pytest.raises(SystemExit, match="the same label"):
+        seed_table.load([f"{tmp_path / 'iru.json'}+{tmp_path / 'iru.json'}"])
