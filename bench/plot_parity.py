@@ -11,6 +11,7 @@ With --depths 5 only depth 5 is drawn and each run gets its own colour: many run
 import argparse
 import itertools
 import json
+import math
 
 import matplotlib
 
@@ -69,9 +70,13 @@ def main():
         axis.set_title(f"{split} tasks")
         axis.grid(alpha=0.3)
     axes[0].set_ylabel(f"success ({cli.episodes} episodes)")
-    axes[1].legend(fontsize=7, loc="upper left")
+    # Below the axes, not inside one: long runs fill every corner of the unseen panel.
+    handles, labels = axes[1].get_legend_handles_labels()
+    legend_rows = math.ceil(len(labels) / 3)
+    figure.set_figheight(4 + 0.2 * legend_rows)
+    figure.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
     figure.suptitle(cli.title or "per-depth success, same seed and protocol (colour: depth, line style: run)")
-    figure.tight_layout()
+    figure.tight_layout(rect=(0, 0.2 * legend_rows / figure.get_figheight() + 0.01, 1, 1))
     figure.savefig(cli.out, dpi=120)
     print(json.dumps({"out": cli.out, "runs": {label: len(records) for label, records in runs.items()}}))
 

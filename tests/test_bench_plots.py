@@ -51,6 +51,12 @@ def test_plot_parity_draws_every_run_and_skips_a_cut_line(tmp_path, monkeypatch)
     train, unseen = saved["figure"].axes
     assert len(train.lines) == 6 * 3 + 1 and len(unseen.lines) == 6 * 3 + 1  # 6 runs x 3 depths, the paper's line
     assert list(train.lines[-2].get_ydata()) == [0.5, 1.0]  # run 5, depth 3: both evaluations, the cut line skipped
+    # the legend (run x depths 2 and 3, the paper) sits below both panels, over no data
+    (legend,) = saved["figure"].legends
+    assert len(legend.get_texts()) == 6 * 2 + 1 and train.get_legend() is None and unseen.get_legend() is None
+    saved["figure"].canvas.draw()
+    legend_box = legend.get_window_extent()
+    assert all(legend_box.y1 <= axis.get_window_extent().y0 for axis in (train, unseen))
     plt.close("all")
 
 
