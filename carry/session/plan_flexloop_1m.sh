@@ -2,14 +2,17 @@
 # FlexLoop to the paper's 1M post-training updates: 800k more from each 200k lambda-1 continuation's final.pt
 # (carry/*-v0__ref-lambda1__*; --init-checkpoint, so the weights and the temperature go on while the optimiser, the
 # target network and the replay start afresh, as they did at the continuation's start), one run per GPU, then
-# eval_adaptive.py on its 200k and 1M checkpoints. GPU 0: Exact-3 seed 1; GPUs 1-3: Exact-4 seeds 1-3.
+# eval_adaptive.py on its 200k and 1M checkpoints. RUNS lists ENV:SEED, the i-th on GPU i (4 GPUs: all four runs;
+# the 14th session had 2 GPUs and set RUNS="BoxPick-Exact-4:1 BoxPick-Exact-4:2").
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes small-run flags in these two
 EVAL_FLAGS=${EVAL_FLAGS:-}
 EPOCHS=${EPOCHS:-8}                         # 8 x 100 intervals x 1,000 updates
+RUNS=${RUNS:-BoxPick-Exact-3:1 BoxPick-Exact-4:1 BoxPick-Exact-4:2 BoxPick-Exact-4:3}
 mkdir -p runs logs results
-extend_and_evaluate() {  # gpu env seed tag
-  local gpu=$1 env=$2 seed=$3 tag=$4
+extend_and_evaluate() {  # gpu env seed
+  local gpu=$1 env=$2 seed=$3
+  local tag=$(echo ${env#BoxPick-} | tr -d - | tr A-Z a-z)_ref_s$seed   # e.g. exact4_ref_s1
   local start=$(ls carry/$env-v0__ref-lambda1__${seed}__*/final.pt)
   CUDA_VISIBLE_DEVICES=$gpu python3 flexloop_gcdqn.py --env-id $env-v0 --init-checkpoint $start --seed $seed \
     --num-epochs $EPOCHS --lambda-depth 1 $TRAIN_FLAGS --save-every-minutes 2 --exp-name ref-lambda1-to1m \
@@ -18,14 +21,21 @@ extend_and_evaluate() {  # gpu env seed tag
     runs/$env-v0__ref-lambda1-to1m__${seed}__*/final.pt --labels FlexLoop-200k FlexLoop-1M $EVAL_FLAGS \
     --exp-name ${tag}_to1m --out-dir results/${tag}_to1m > logs/${tag}_to1m_eval.log 2>&1
 }
-(  # GPU 0 first measures the update paths and the collection in one process (BENCHMARKS.md, 13th session: the
-   # whole-interval rate with the policy eager or compiled, on one card); a CPU dry run has no nvidia-smi
-  if nvidia-smi > /dev/null 2>&1; then
-    CUDA_VISIBLE_DEVICES=0 python3 bench/train_throughput.py --modes compile-graph --paths taken flexloop \
-      --updates 2000 > logs/bench_interval.log 2>&1
+gpu=0
+for run in $RUNS; do
+  if [ $gpu = 0 ]; then
+    (  # GPU 0, once its run is evaluated, measures the update paths and the collection in one process (BENCHMARKS.md,
+       # 13th session: the whole-interval rate, policy eager or compiled, on one card); a CPU dry run has no nvidia-smi
+      extend_and_evaluate 0 ${run%:*} ${run#*:}
+      if nvidia-smi > /dev/null 2>&1; then
+        CUDA_VISIBLE_DEVICES=0 python3 bench/train_throughput.py --modes compile-graph --paths taken flexloop \
+          --updates 2000 > logs/bench_interval.log 2>&1
+      fi
+    ) &
+  else
+    extend_and_evaluate $gpu ${run%:*} ${run#*:} &
   fi
-  extend_and_evaluate 0 BoxPick-Exact-3 1 exact3_ref_s1
-) &
-for s in 1 2 3; do extend_and_evaluate $s BoxPick-Exact-4 $s exact4_ref_s$s & done
+  gpu=$((gpu + 1))
+done
 wait
 echo "plan finished $(date)"
