@@ -15,8 +15,10 @@ done
 [ -f /root/started_plan_resume_ref ] || for f in runs/*__ref-lambda1__*/final.pt; do
   [ -f $f ] && copy_out $f
 done
-# plan_flexloop_1m: each run's latest.pt while it trains, then its final.pt (the same name, so final.pt wins)
-for f in runs/*__ref-lambda1-to1m__*/latest.pt runs/*__ref-lambda1-to1m__*/final.pt; do
+# plan_flexloop_1m and plan_selftd_1m: each run's latest.pt while it trains, then its final.pt (the same name,
+# so final.pt wins)
+for f in runs/*__ref-lambda1-to1m__*/latest.pt runs/*__ref-lambda1-to1m__*/final.pt \
+         runs/*__ref-lambda0-1m__*/latest.pt runs/*__ref-lambda0-1m__*/final.pt; do
   [ -f $f ] && [ $f -nt /root/plan.started ] && copy_out $f
 done
 true
