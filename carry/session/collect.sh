@@ -1,17 +1,18 @@
 #!/bin/bash
-# Copy progress to $OUT: logs, metrics and eval_adaptive results in progress.tgz; the latest.pt of each reference run
-# that trained on this machine (newer than the first plan's start) and the final.pt of each lambda-1 continuation.
+# Copy progress to $OUT: logs, metrics and eval_adaptive results in progress.tgz, and the checkpoints each plan
+# makes (the loops below, one per plan): at most 8 files and 64 MiB come back per call.
 cd /root/w || exit 0
 tar czf $OUT/progress.tgz.tmp logs runs/*/metrics.jsonl results /root/log_*.log 2>/dev/null; mv $OUT/progress.tgz.tmp $OUT/progress.tgz
 copy_out() {  # copy_out FILE: to $OUT as e.g. Exact-4_ref_s1.pt, written whole before it takes its name
   local name=$(basename $(dirname $1) | sed -E 's/BoxPick-(Exact-[34]|Generalize-4-[12])-v0__([a-z0-9-]+)__([0-9])__.*/\1_\2_s\3/')
   cp $1 $OUT/$name.pt.tmp && mv $OUT/$name.pt.tmp $OUT/$name.pt
 }
+# plan_resume_ref: the latest.pt of each reference run that trained on this machine (newer than the first plan)
 for f in runs/*__ref__*/latest.pt; do
   [ $f -nt /root/plan.started ] && copy_out $f
 done
-# at most 8 files and 64 MiB come back: once the resume plan runs, its latest.pt files take the room (an earlier call
-# of the lease has brought the lambda-1 final.pt files back by then)
+# plan_flexloop_ref's final.pt files, until the resume plan runs: its latest.pt files then take the room (an earlier
+# call of the lease has brought these back by then)
 [ -f /root/started_plan_resume_ref ] || for f in runs/*__ref-lambda1__*/final.pt; do
   [ -f $f ] && copy_out $f
 done

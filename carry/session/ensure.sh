@@ -1,7 +1,7 @@
 #!/bin/bash
 # Once per machine and plan: install the carried wheels, copy the tree to /root/w (first plan only) and start the
 # plan there in its own process session, so that it outlives the call. A second plan can follow the first.
-plan=${1%.sh}   # plan_resume_ref or plan_flexloop_ref (.sh may be given)
+plan=${1%.sh}   # a plan_*.sh of carry/session, named with or without .sh
 if [ ! -f /tmp/site/.ok ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.ok || exit 1
 fi
