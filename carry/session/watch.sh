@@ -3,7 +3,8 @@
 # plan has finished (after a last collection). Then print each log's last lines.
 end=$(( $(date +%s) + $1 ))
 while [ $(date +%s) -lt $end ]; do
-  sleep 60
+  left=$(( end - $(date +%s) ))
+  sleep $(( left < 60 ? left : 60 ))   # never past $1: the call's timeout is set from it
   finished=$([ -n "$2" ] && grep -c "plan finished" /root/log_${2%.sh}.log 2>/dev/null)
   bash carry/session/collect.sh
   [ "${finished:-0}" -gt 0 ] && break
