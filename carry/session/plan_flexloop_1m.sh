@@ -2,8 +2,8 @@
 # FlexLoop to the paper's 1M post-training updates: 800k more from each 200k lambda-1 continuation's final.pt
 # (carry/*-v0__ref-lambda1__*; --init-checkpoint, so the weights and the temperature go on while the optimiser, the
 # target network and the replay start afresh, as they did at the continuation's start), one run per GPU, then
-# eval_adaptive.py on its 200k and 1M checkpoints. RUNS lists ENV:SEED, the i-th on GPU i (4 GPUs: all four runs;
-# the 14th session had 2 GPUs and set RUNS="BoxPick-Exact-4:1 BoxPick-Exact-4:2").
+# eval_adaptive.py on its 200k and 1M checkpoints. RUNS lists ENV:SEED, the i-th on GPU FIRST_GPU + i (0 unless
+# set; 4 GPUs: all four runs; the 14th session had 2 GPUs and set RUNS="BoxPick-Exact-4:1 BoxPick-Exact-4:2").
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes small-run flags in these two
 EVAL_FLAGS=${EVAL_FLAGS:-}
@@ -21,20 +21,9 @@ extend_and_evaluate() {  # gpu env seed
     runs/$env-v0__ref-lambda1-to1m__${seed}__*/final.pt --labels FlexLoop-200k FlexLoop-1M $EVAL_FLAGS \
     --exp-name ${tag}_to1m --out-dir results/${tag}_to1m > logs/${tag}_to1m_eval.log 2>&1
 }
-gpu=0
+gpu=${FIRST_GPU:-0}   # FIRST_GPU=2 puts this plan's runs on GPUs 2, 3, ... (two plans on one 4-GPU machine)
 for run in $RUNS; do
-  if [ $gpu = 0 ]; then
-    (  # GPU 0, once its run is evaluated, measures the update paths and the collection in one process (BENCHMARKS.md,
-       # 13th session: the whole-interval rate, policy eager or compiled, on one card); a CPU dry run has no nvidia-smi
-      extend_and_evaluate 0 ${run%:*} ${run#*:}
-      if nvidia-smi > /dev/null 2>&1; then
-        CUDA_VISIBLE_DEVICES=0 python3 bench/train_throughput.py --modes compile-graph --paths taken flexloop \
-          --updates 2000 > logs/bench_interval.log 2>&1
-      fi
-    ) &
-  else
-    extend_and_evaluate $gpu ${run%:*} ${run#*:} &
-  fi
+  extend_and_evaluate $gpu ${run%:*} ${run#*:} &
   gpu=$((gpu + 1))
 done
 wait

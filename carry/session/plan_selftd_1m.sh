@@ -5,7 +5,7 @@
 # The starting checkpoints are in git history only; before the calls, here:
 #   for s in 1 2; do d=carry/BoxPick-Exact-4-v0__ref-start__${s}; mkdir -p $d
 #     git show b334973:carry/BoxPick-Exact-4-v0__ref__${s}__1795763631/latest.pt > $d/latest.pt; done
-# RUNS lists ENV:SEED, the i-th on GPU i.
+# RUNS lists ENV:SEED, the i-th on GPU FIRST_GPU + i (0 unless set).
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes small-run flags in these two
 EVAL_FLAGS=${EVAL_FLAGS:-}
@@ -22,7 +22,7 @@ train_and_evaluate() {  # gpu env seed
     --labels Self-TD-Only-1M $EVAL_FLAGS --exp-name ${tag}_lambda0_1m --out-dir results/${tag}_lambda0_1m \
     > logs/${tag}_lambda0_1m_eval.log 2>&1
 }
-gpu=0
+gpu=${FIRST_GPU:-0}   # FIRST_GPU=2 puts this plan's runs on GPUs 2, 3, ... (two plans on one 4-GPU machine)
 for run in $RUNS; do
   train_and_evaluate $gpu ${run%:*} ${run#*:} &
   gpu=$((gpu + 1))
