@@ -6,6 +6,8 @@ and each seed's mean depth at matched success (the first label's full-depth succ
     python bench/seed_table.py results/exact4_ref_s{1,2,3}/results.json --eps 0.05
     # a checkpoint evaluated later beside the ones evaluated before, per seed: join the files with +
     python bench/seed_table.py docs/runs/eval_adaptive_exact4_ref_seed1.results.json+results/exact4_ref_s1_to1m/results.json ...
+    # also draw the mean ± std success at each fixed depth of some labels, in that order
+    python bench/seed_table.py ... --plot elasticity.png --plot-labels IRU-5 Self-TD-Only-1M FlexLoop-1M
 
 Each argument is one seed's `eval_adaptive.py --checkpoints A B C --labels ...` run, or several runs of one seed
 joined with + when they evaluated the same episodes (the same --seed, env, envs per split and eps grid); the seeds
@@ -110,11 +112,45 @@ def table(by_label, eps=None):
     return "\n".join(lines)
 
 
+def plot_elasticity(by_label, labels, out, title=None):
+    """Success at each fixed depth, mean over seeds with sample-std error bars, one panel per split."""
+    unknown = [label for label in labels if label not in by_label]
+    if unknown:
+        raise SystemExit(f"--plot-labels {unknown} are not in the results; the labels are {list(by_label)}")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.3))
+    for ax, split in zip(axes, ["train", "unseen"]):
+        for label in labels:
+            per_depth = list(zip(*(run["elasticity"][split] for run in by_label[label])))  # (K, seeds)
+            means = [statistics.fmean(values) for values in per_depth]
+            stds = [statistics.stdev(values) if len(values) > 1 else 0.0 for values in per_depth]
+            ax.errorbar(range(1, len(means) + 1), means, yerr=stds, marker="o", capsize=3, label=label)
+        ax.set(title=f"{split} tasks", xlabel="depth k", ylabel="success", ylim=(-0.03, 1.03))
+        ax.set_xticks(range(1, len(means) + 1))
+        ax.grid(alpha=0.3)
+    num_seeds = len(by_label[labels[0]])
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(labels), frameon=False)
+    fig.suptitle(title or f"{by_label[labels[0]][0]['env_id']}: success at each fixed depth, mean ± std of "
+                 f"{num_seeds} seeds")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(out, dpi=150)
+    return fig
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="+", help="results.json of eval_adaptive.py, one per seed (several runs of "
                         "one seed joined with +)")
     parser.add_argument("--eps", type=float, help="also report adaptive success at this eps of the grid")
+    parser.add_argument("--plot", help="also draw the success at each fixed depth (mean ± std) to this image")
+    parser.add_argument("--plot-labels", nargs="+", help="the labels to draw, in this order (default: all)")
+    parser.add_argument("--plot-title", help="the figure's title (default: the env and the number of seeds)")
     cli = parser.parse_args()
     print(f"{len(cli.results)} seeds: " + ", ".join(cli.results))
-    print(table(load(cli.results), cli.eps))
+    by_label = load(cli.results)
+    print(table(by_label, cli.eps))
+    if cli.plot:
+        plot_elasticity(by_label, cli.plot_labels or list(by_label), cli.plot, cli.plot_title)
+        print(f"wrote {cli.plot}")

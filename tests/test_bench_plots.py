@@ -1,6 +1,6 @@
 """bench/plot_parity.py: every run is drawn however many are given, and a run's cut last line is skipped.
 bench/seed_table.py: the mean and sample std over seeds of eval_adaptive.py results, runs of one seed joined, and
-each seed's mean depth at matched success."""
+each seed's mean depth at matched success; its figure of the same means."""
 
 import importlib.util
 import json
@@ -145,3 +145,22 @@ def test_seed_table_refuses_to_join_other_episodes_or_repeated_labels(tmp_path):
         seed_table.load([f"{tmp_path / 'iru.json'}+{tmp_path / 'other_seed.json'}"])
     with pytest.raises(SystemExit, match="the same label"):
         seed_table.load([f"{tmp_path / 'iru.json'}+{tmp_path / 'iru.json'}"])
+
+
+def test_seed_table_plot_draws_the_seed_mean_of_the_labels_asked_for(tmp_path):
+    import matplotlib.pyplot as plt
+    seed_table = load_bench("seed_table")
+    paths = []
+    for seed, success in enumerate([0.9, 0.7]):
+        paths.append(tmp_path / f"s{seed}.json")
+        write_eval_adaptive_results(paths[-1], ["IRU-5", "Self-TD-Only", "FlexLoop"], [0.5, 0.6, success], 2.0)
+    by_label = seed_table.load(paths)
+    fig = seed_table.plot_elasticity(by_label, ["FlexLoop", "IRU-5"], tmp_path / "elasticity.png")
+    assert (tmp_path / "elasticity.png").stat().st_size > 0
+    train = fig.axes[0]
+    assert [text.get_text() for text in fig.legends[0].get_texts()] == ["FlexLoop", "IRU-5"]  # in the order asked
+    # FlexLoop's depths are 0, success / 2, success: means 0, 0.4, 0.8 over the two seeds
+    assert list(train.lines[0].get_ydata()) == pytest.approx([0.0, 0.4, 0.8])
+    with pytest.raises(SystemExit, match="the labels are"):
+        seed_table.plot_elasticity(by_label, ["AnyK-TD"], tmp_path / "x.png")
+    plt.close("all")
