@@ -132,8 +132,8 @@ def plot_elasticity(by_label, labels, out, title=None):
         ax.grid(alpha=0.3)
     num_seeds = len(by_label[labels[0]])
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(labels), frameon=False)
-    fig.suptitle(title or f"{by_label[labels[0]][0]['env_id']}: success at each fixed depth, mean ± std of "
-                 f"{num_seeds} seeds")
+    over = f"mean ± std of {num_seeds} seeds" if num_seeds > 1 else "one seed"
+    fig.suptitle(title or f"{by_label[labels[0]][0]['env_id']}: success at each fixed depth, {over}")
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(out, dpi=150)
     return fig

@@ -161,6 +161,9 @@ def test_seed_table_plot_draws_the_seed_mean_of_the_labels_asked_for(tmp_path):
     assert [text.get_text() for text in fig.legends[0].get_texts()] == ["FlexLoop", "IRU-5"]  # in the order asked
     # FlexLoop's depths are 0, success / 2, success: means 0, 0.4, 0.8 over the two seeds
     assert list(train.lines[0].get_ydata()) == pytest.approx([0.0, 0.4, 0.8])
+    assert fig._suptitle.get_text().endswith("mean ± std of 2 seeds")
+    one_seed = seed_table.plot_elasticity(seed_table.load(paths[:1]), ["FlexLoop"], tmp_path / "one.png")
+    assert one_seed._suptitle.get_text().endswith("one seed")
     with pytest.raises(SystemExit, match="the labels are"):
         seed_table.plot_elasticity(by_label, ["AnyK-TD"], tmp_path / "x.png")
     plt.close("all")
