@@ -11,10 +11,10 @@ copy_out() {  # copy_out FILE [SUFFIX]: to $OUT as e.g. Exact-4_ref_s1.pt, writt
 for f in runs/*__ref__*/latest.pt; do
   [ $f -nt /root/plan.started ] && copy_out $f
 done
-# and a reference run's pretrained.pt (its IRU-5 at 5M, written when its own FlexLoop phase starts) in the call
-# it appears in and the next (watch.sh and stop_all.sh mark each call's start), not in every call after
+# and a reference run's pretrained.pt (its IRU-5 at 5M, written when its own FlexLoop phase starts) if written on
+# this machine, in the call it appears in and the next (watch.sh and stop_all.sh mark each call's start)
 for f in runs/*__ref__*/pretrained.pt; do
-  [ -f $f ] && [ $f -nt /root/call.previous ] && copy_out $f _pretrained
+  [ -f $f ] && [ $f -nt /root/plan.started ] && [ $f -nt /root/call.previous ] && copy_out $f _pretrained
 done
 # plan_flexloop_ref's final.pt files, until the resume plan runs: its latest.pt files then take the room (an earlier
 # call of the lease has brought these back by then)

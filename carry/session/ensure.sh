@@ -9,7 +9,7 @@ if [ ! -f /root/started_$plan ]; then
   [ -f /root/plan.started ] || touch /root/plan.started   # the first plan's start: collect.sh compares with it
   touch /root/started_$plan
   [ -d /root/w ] || { mkdir -p /root/w && tar --exclude=./.git -cf - . | (cd /root/w && tar xf -); }
-  cp -rn carry/. /root/w/carry/   # a later plan of the lease: the carry/ folders this call brought that it lacks
+  cp -rnp carry/. /root/w/carry/  # a later plan of the lease: the carry/ folders this call brought that it lacks
   (cd /root/w && PYTHONPATH=/tmp/site setsid nohup bash carry/session/$plan.sh > /root/log_$plan.log 2>&1 < /dev/null &)
   echo "plan $plan started $(date)"
 else
