@@ -7,9 +7,12 @@ copy_out() {  # copy_out FILE [SUFFIX]: to $OUT as e.g. Exact-4_ref_s1.pt, writt
   local name=$(basename $(dirname $1) | sed -E 's/BoxPick-(Exact-[34]|Generalize-4-[12])-v0__([a-z0-9-]+)__([0-9])__.*/\1_\2_s\3/')$2
   cp $1 $OUT/$name.pt.tmp && mv $OUT/$name.pt.tmp $OUT/$name.pt
 }
-# plan_resume_ref: the latest.pt of each reference run that trained on this machine (newer than the first plan)
-for f in runs/*__ref__*/latest.pt; do
-  [ $f -nt /root/plan.started ] && copy_out $f
+# plan_resume_ref: the latest.pt of each reference run that trained on this machine (newer than the first plan),
+# or its final.pt once it has ended (5M + 1M; one file a run, so four runs, two pretrained.pt and progress.tgz fit)
+for d in runs/*__ref__*; do
+  if [ -f $d/final.pt ]; then copy_out $d/final.pt _final
+  elif [ $d/latest.pt -nt /root/plan.started ]; then copy_out $d/latest.pt
+  fi
 done
 # and a reference run's pretrained.pt (its IRU-5 at 5M, written when its own FlexLoop phase starts) if written on
 # this machine, in the call it appears in and the next (watch.sh and stop_all.sh mark each call's start)
