@@ -1,10 +1,11 @@
 #!/bin/bash
-# Resume the reference-defaults BoxPick runs, one per GPU: RUNS lists ENV:SEED, the i-th on GPU i (all four by
+# Resume the reference-defaults BoxPick runs, one per GPU: RUNS lists ENV:SEED, the i-th on GPU i (FIRST_GPU + i; all four by
 # default, for 4 GPUs; two runs sharing a GPU make fewer updates together than one alone, BENCHMARKS.md, so on 2
 # GPUs list two). GPU 0 first runs the GPU-only tests (SKIP_GPU_TESTS=1: not, e.g. when the training code has not
 # changed since they last passed). A run that ends (5M pretraining updates, then its own 1M of FlexLoop) is then
 # evaluated: eval_adaptive.py on its pretrained.pt (IRU-5 at 5M) and final.pt, the paper's whole protocol.
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+source carry/session/per_gpu.sh
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes --no-cuda in these two
 EVAL_FLAGS=${EVAL_FLAGS:-}
 RUNS=${RUNS:-BoxPick-Exact-3:1 BoxPick-Exact-4:1 BoxPick-Exact-4:2 BoxPick-Exact-4:3}
@@ -12,7 +13,7 @@ mkdir -p runs logs results && cp -rp carry/*-v0__ref__* runs/ && chmod -R u+w ru
 resume_and_evaluate() {  # gpu env seed
   local gpu=$1 env=$2 seed=$3
   local d=$(ls -d runs/$env-v0__ref__${seed}__*)
-  local tag=$(echo ${env#BoxPick-} | tr -d - | tr A-Z a-z)_ref_s$seed   # e.g. exact4_ref_s1
+  local tag=$(run_tag $env $seed)   # e.g. exact4_ref_s1
   if [ $gpu = 0 ] && [ -z "$SKIP_GPU_TESTS" ] && [ ! -f logs/gpu_tests.log ]; then
     CUDA_VISIBLE_DEVICES=0 python3 -m pytest tests -q -rs -k "cuda or captured or compiled or bf16" > logs/gpu_tests.log 2>&1
   fi
@@ -23,10 +24,4 @@ resume_and_evaluate() {  # gpu env seed
     --labels IRU-5-5M FlexLoop-5M+1M $EVAL_FLAGS --exp-name ${tag}_5m --out-dir results/${tag}_5m \
     > logs/${tag}_5m_eval.log 2>&1
 }
-gpu=0
-for run in $RUNS; do
-  resume_and_evaluate $gpu ${run%:*} ${run#*:} &
-  gpu=$((gpu + 1))
-done
-wait
-echo "plan finished $(date)"
+on_each_gpu resume_and_evaluate

@@ -7,6 +7,7 @@
 #     git show b334973:carry/BoxPick-Exact-4-v0__ref__${s}__1795763631/latest.pt > $d/latest.pt; done
 # RUNS lists ENV:SEED, the i-th on GPU FIRST_GPU + i (0 unless set).
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+source carry/session/per_gpu.sh
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes small-run flags in these two
 EVAL_FLAGS=${EVAL_FLAGS:-}
 EPOCHS=${EPOCHS:-10}                        # 10 x 100 intervals x 1,000 updates: FlexLoop's 200k + 800k
@@ -14,7 +15,7 @@ RUNS=${RUNS:-BoxPick-Exact-4:1 BoxPick-Exact-4:2}
 mkdir -p runs logs results
 train_and_evaluate() {  # gpu env seed
   local gpu=$1 env=$2 seed=$3
-  local tag=$(echo ${env#BoxPick-} | tr -d - | tr A-Z a-z)_ref_s$seed   # e.g. exact4_ref_s1
+  local tag=$(run_tag $env $seed)   # e.g. exact4_ref_s1
   CUDA_VISIBLE_DEVICES=$gpu python3 flexloop_gcdqn.py --env-id $env-v0 --init-checkpoint carry/$env-v0__ref-start__$seed/latest.pt \
     --seed $seed --num-epochs $EPOCHS --lambda-depth 0 $TRAIN_FLAGS --save-every-minutes 2 --exp-name ref-lambda0-1m \
     > logs/${tag}_lambda0_1m.log 2>&1 || return
@@ -22,10 +23,4 @@ train_and_evaluate() {  # gpu env seed
     --labels Self-TD-Only-1M $EVAL_FLAGS --exp-name ${tag}_lambda0_1m --out-dir results/${tag}_lambda0_1m \
     > logs/${tag}_lambda0_1m_eval.log 2>&1
 }
-gpu=${FIRST_GPU:-0}   # FIRST_GPU=2 puts this plan's runs on GPUs 2, 3, ... (two plans on one 4-GPU machine)
-for run in $RUNS; do
-  train_and_evaluate $gpu ${run%:*} ${run#*:} &
-  gpu=$((gpu + 1))
-done
-wait
-echo "plan finished $(date)"
+on_each_gpu train_and_evaluate
