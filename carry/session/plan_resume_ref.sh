@@ -2,8 +2,9 @@
 # Resume the reference-defaults BoxPick runs, one per GPU: RUNS lists ENV:SEED, the i-th on GPU FIRST_GPU + i (0
 # unless set; all four runs by default, for 4 GPUs; two runs sharing a GPU make fewer updates together than one
 # alone, BENCHMARKS.md, so on 2 GPUs list two). GPU 0 first runs the GPU-only tests (SKIP_GPU_TESTS=1: not, e.g.
-# when the training code has not changed since they last passed). A run that ends (5M pretraining updates, then its own 1M of FlexLoop) is then
-# evaluated: eval_adaptive.py on its pretrained.pt (IRU-5 at 5M) and final.pt, the paper's whole protocol.
+# when the training code has not changed since they last passed). A run that ends (5M pretraining updates, then
+# its own 1M of FlexLoop) is then evaluated: eval_adaptive.py on its pretrained.pt (IRU-5 at 5M) and final.pt, the
+# paper's whole protocol.
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source carry/session/per_gpu.sh
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes --no-cuda in these two
