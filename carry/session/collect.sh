@@ -30,4 +30,8 @@ done
          runs/*__ref-lambda0-1m__*/latest.pt runs/*__ref-lambda0-1m__*/final.pt; do
   [ -f $f ] && [ $f -nt /root/plan.started ] && copy_out $f
 done
+# plan_selftd_1m from a reference run's pretrained.pt (EXP=ref-5m-lambda0-1m): beside the resume plan's files
+for f in runs/*__ref-5m-lambda0-1m__*/latest.pt runs/*__ref-5m-lambda0-1m__*/final.pt; do
+  [ -f $f ] && [ $f -nt /root/plan.started ] && copy_out $f
+done
 true

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Resume the reference-defaults BoxPick runs, one per GPU: RUNS lists ENV:SEED, the i-th on GPU FIRST_GPU + i (0
-# unless set; all four runs by default, for 4 GPUs; two runs sharing a GPU make fewer updates together than one
+# unless set; by default every run still going; two runs sharing a GPU make fewer updates together than one
 # alone, BENCHMARKS.md, so on 2 GPUs list two). GPU 0 first runs the GPU-only tests (SKIP_GPU_TESTS=1: not, e.g.
 # when the training code has not changed since they last passed). A run that ends (5M pretraining updates, then
 # its own 1M of FlexLoop) is then evaluated: eval_adaptive.py on its pretrained.pt (IRU-5 at 5M) and final.pt, the
@@ -9,7 +9,8 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source carry/session/per_gpu.sh
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes --no-cuda in these two
 EVAL_FLAGS=${EVAL_FLAGS:-}
-RUNS=${RUNS:-BoxPick-Exact-3:1 BoxPick-Exact-4:1 BoxPick-Exact-4:2 BoxPick-Exact-4:3}
+# by default every carried reference run still going: a latest.pt and no final.pt (e.g. BoxPick-Exact-4:1)
+RUNS=${RUNS:-$(for d in carry/*-v0__ref__*; do [ -f $d/latest.pt ] && [ ! -f $d/final.pt ] && basename $d; done | sed -E 's/-v0__ref__([0-9]+)__.*/:\1/')}
 mkdir -p runs logs results && cp -rp carry/*-v0__ref__* runs/ && chmod -R u+w runs   # -p: collect.sh reads the times
 resume_and_evaluate() {  # gpu env seed
   local gpu=$1 env=$2 seed=$3
