@@ -4,11 +4,13 @@
 # alone, BENCHMARKS.md, so on 2 GPUs list two). GPU 0 first runs the GPU-only tests (SKIP_GPU_TESTS=1: not, e.g.
 # when the training code has not changed since they last passed). A run that ends (5M pretraining updates, then
 # its own 1M of FlexLoop) is then evaluated: eval_adaptive.py on its pretrained.pt (IRU-5 at 5M) and final.pt, the
-# paper's whole protocol.
+# paper's whole protocol; then the paper's Table 3, the wall clock of both at 32,768 envs on each split, at the ε
+# that evaluation calibrated for FlexLoop (the stress test runs on its own, so that a failure cannot cost the above).
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source carry/session/per_gpu.sh
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes --no-cuda in these two
 EVAL_FLAGS=${EVAL_FLAGS:-}
+STRESS_FLAGS=${STRESS_FLAGS:---stress-envs 32768}  # a CPU dry run passes e.g. --stress-envs 64 --stress-samples 5
 # by default every carried reference run still going: a latest.pt and no final.pt (e.g. BoxPick-Exact-4:1)
 RUNS=${RUNS:-$(for d in carry/*-v0__ref__*; do [ -f $d/latest.pt ] && [ ! -f $d/final.pt ] && basename $d; done | sed -E 's/-v0__ref__([0-9]+)__.*/:\1/')}
 mkdir -p runs logs results && cp -rp carry/*-v0__ref__* runs/ && chmod -R u+w runs   # -p: collect.sh reads the times
@@ -24,6 +26,13 @@ resume_and_evaluate() {  # gpu env seed
   [ -f $d/final.pt ] || return
   CUDA_VISIBLE_DEVICES=$gpu python3 eval_adaptive.py --checkpoints $d/pretrained.pt $d/final.pt \
     --labels IRU-5-5M FlexLoop-5M+1M $EVAL_FLAGS --exp-name ${tag}_5m --out-dir results/${tag}_5m \
-    > logs/${tag}_5m_eval.log 2>&1
+    > logs/${tag}_5m_eval.log 2>&1 || return
+  local eps=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['checkpoints'][1]['calibration']['eps'])" \
+    results/${tag}_5m/results.json)
+  for split in train unseen; do
+    CUDA_VISIBLE_DEVICES=$gpu python3 eval_adaptive.py --checkpoints $d/pretrained.pt $d/final.pt \
+      --labels IRU-5-5M FlexLoop-5M+1M --skip-eval $STRESS_FLAGS --stress-eps $eps --stress-split $split $EVAL_FLAGS \
+      --exp-name ${tag}_5m_stress_$split --out-dir results/${tag}_5m_stress_$split > logs/${tag}_5m_stress_$split.log 2>&1
+  done
 }
 on_each_gpu resume_and_evaluate
