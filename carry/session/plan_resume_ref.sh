@@ -6,6 +6,8 @@
 # its own 1M of FlexLoop) is then evaluated: eval_adaptive.py on its pretrained.pt (IRU-5 at 5M) and final.pt, the
 # paper's whole protocol; then the paper's Table 3, the wall clock of both at 32,768 envs on each split, at the ε
 # that evaluation calibrated for FlexLoop (the stress test runs on its own, so that a failure cannot cost the above).
+# With CONTROL=1 the run's GPU then trains its control, Self-TD Only for 1M updates from the same pretrained.pt
+# (plan_selftd_1m.sh, evaluated on the same episodes).
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source carry/session/per_gpu.sh
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes --no-cuda in these two
@@ -34,5 +36,7 @@ resume_and_evaluate() {  # gpu env seed
       --labels IRU-5-5M FlexLoop-5M+1M --skip-eval $STRESS_FLAGS --stress-eps $eps --stress-split $split $EVAL_FLAGS \
       --exp-name ${tag}_5m_stress_$split --out-dir results/${tag}_5m_stress_$split > logs/${tag}_5m_stress_$split.log 2>&1
   done
+  [ -n "$CONTROL" ] && START_DIR=runs START=ref START_FILE=pretrained.pt EXP=ref-5m-lambda0-1m LABEL=Self-TD-Only-5M+1M \
+    RUNS=$env:$seed FIRST_GPU=$gpu bash carry/session/plan_selftd_1m.sh > logs/${tag}_5m_control_plan.log 2>&1
 }
 on_each_gpu resume_and_evaluate

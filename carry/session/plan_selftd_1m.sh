@@ -2,7 +2,8 @@
 # The control of the 1M FlexLoop runs: Self-TD Only (lambda 0, the RL loss alone) for the same 1M updates from the
 # IRU-5 checkpoint FlexLoop started from, one run per GPU, then eval_adaptive.py on it with the episodes of the 13th
 # session's evaluation (same --seed and envs), so its results.json joins that seed's others in bench/seed_table.py.
-# START and START_FILE name the starting checkpoint, carry/<ENV>-v0__<START>__<SEED>*/<START_FILE>; by default the
+# START_DIR, START and START_FILE name the starting checkpoint, <START_DIR>/<ENV>-v0__<START>__<SEED>*/<START_FILE>
+# (START_DIR carry unless set; plan_resume_ref passes runs, where a run wrote its pretrained.pt); by default the
 # 200k-update IRU-5 checkpoints, which are in git history only; before the calls, here:
 #   for s in 1 2; do d=carry/BoxPick-Exact-4-v0__ref-start__${s}; mkdir -p $d
 #     git show b334973:carry/BoxPick-Exact-4-v0__ref__${s}__1795763631/latest.pt > $d/latest.pt; done
@@ -15,13 +16,13 @@ TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes s
 EVAL_FLAGS=${EVAL_FLAGS:-}
 EPOCHS=${EPOCHS:-10}                        # 10 x 100 intervals x 1,000 updates: FlexLoop's 200k + 800k
 RUNS=${RUNS:-BoxPick-Exact-4:1 BoxPick-Exact-4:2}
-START=${START:-ref-start} START_FILE=${START_FILE:-latest.pt}
+START_DIR=${START_DIR:-carry} START=${START:-ref-start} START_FILE=${START_FILE:-latest.pt}
 EXP=${EXP:-ref-lambda0-1m} LABEL=${LABEL:-Self-TD-Only-1M}
 mkdir -p runs logs results
 train_and_evaluate() {  # gpu env seed
   local gpu=$1 env=$2 seed=$3
   local tag=$(run_tag $env $seed)_$(echo ${EXP#ref-} | tr - _)   # e.g. exact4_ref_s1_lambda0_1m
-  local start=$(ls carry/$env-v0__${START}__$seed*/$START_FILE | head -1)
+  local start=$(ls $START_DIR/$env-v0__${START}__$seed*/$START_FILE | head -1)
   CUDA_VISIBLE_DEVICES=$gpu python3 flexloop_gcdqn.py --env-id $env-v0 --init-checkpoint $start \
     --seed $seed --num-epochs $EPOCHS --lambda-depth 0 $TRAIN_FLAGS --save-every-minutes 2 --exp-name $EXP \
     > logs/$tag.log 2>&1 || return
