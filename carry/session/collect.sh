@@ -9,14 +9,14 @@ copy_out() {  # copy_out FILE [SUFFIX]: to $OUT as e.g. Exact-4_ref_s1.pt, writt
 }
 # plan_resume_ref: the latest.pt of each reference run that trained on this machine (newer than the first plan),
 # or its final.pt once it has ended (5M + 1M; one file a run, so four runs, two pretrained.pt and progress.tgz fit)
-for d in runs/*__ref__*; do
+for d in runs/*__ref__* runs/*__gen-flax__*; do   # the Exact runs are ref, the Generalize ones gen-flax
   if [ -f $d/final.pt ]; then copy_out $d/final.pt _final
   elif [ $d/latest.pt -nt /root/plan.started ]; then copy_out $d/latest.pt
   fi
 done
 # and a reference run's pretrained.pt (its IRU-5 at 5M, written when its own FlexLoop phase starts) if written on
 # this machine, in the call it appears in and the next (watch.sh and stop_all.sh mark each call's start)
-for f in runs/*__ref__*/pretrained.pt; do
+for f in runs/*__ref__*/pretrained.pt runs/*__gen-flax__*/pretrained.pt; do
   [ -f $f ] && [ $f -nt /root/plan.started ] && [ $f -nt /root/call.previous ] && copy_out $f _pretrained
 done
 # plan_flexloop_ref's final.pt files, until the resume plan runs: its latest.pt files then take the room (an earlier
@@ -30,8 +30,9 @@ done
          runs/*__ref-lambda0-1m__*/latest.pt runs/*__ref-lambda0-1m__*/final.pt; do
   [ -f $f ] && [ $f -nt /root/plan.started ] && copy_out $f
 done
-# plan_selftd_1m from a reference run's pretrained.pt (EXP=ref-5m-lambda0-1m): beside the resume plan's files
-for f in runs/*__ref-5m-lambda0-1m__*/latest.pt runs/*__ref-5m-lambda0-1m__*/final.pt; do
+# plan_selftd_1m from a reference run's pretrained.pt (EXP=ref-5m-lambda0-1m or gen-flax-5m-lambda0-1m): beside
+# the resume plan's files
+for f in runs/*-5m-lambda0-1m__*/latest.pt runs/*-5m-lambda0-1m__*/final.pt; do
   [ -f $f ] && [ $f -nt /root/plan.started ] && copy_out $f
 done
 true

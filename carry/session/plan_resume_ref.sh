@@ -1,5 +1,5 @@
 #!/bin/bash
-# Resume the reference-defaults BoxPick runs, one per GPU: RUNS lists ENV:SEED, the i-th on GPU FIRST_GPU + i (0
+# Resume the reference-defaults BoxPick runs (exp-name EXP, ref unless set: the Generalize runs are gen-flax), one per GPU: RUNS lists ENV:SEED, the i-th on GPU FIRST_GPU + i (0
 # unless set; by default every run still going; two runs sharing a GPU make fewer updates together than one
 # alone, BENCHMARKS.md, so on 2 GPUs list two). GPU 0 first runs the GPU-only tests (SKIP_GPU_TESTS=1: not, e.g.
 # when the training code has not changed since they last passed). A run that ends (5M pretraining updates, then
@@ -13,13 +13,14 @@ source carry/session/per_gpu.sh
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes --no-cuda in these two
 EVAL_FLAGS=${EVAL_FLAGS:-}
 STRESS_FLAGS=${STRESS_FLAGS:---stress-envs 32768}  # a CPU dry run passes e.g. --stress-envs 64 --stress-samples 5
-# by default every carried reference run still going: a latest.pt and no final.pt (e.g. BoxPick-Exact-4:1)
-RUNS=${RUNS:-$(for d in carry/*-v0__ref__*; do [ -f $d/latest.pt ] && [ ! -f $d/final.pt ] && basename $d; done | sed -E 's/-v0__ref__([0-9]+)__.*/:\1/')}
-mkdir -p runs logs results && cp -rp carry/*-v0__ref__* runs/ && chmod -R u+w runs   # -p: collect.sh reads the times
+EXP=${EXP:-ref}
+# by default every carried run of EXP still going: a latest.pt and no final.pt (e.g. BoxPick-Exact-4:1)
+RUNS=${RUNS:-$(for d in carry/*-v0__${EXP}__*; do [ -f $d/latest.pt ] && [ ! -f $d/final.pt ] && basename $d; done | sed -E "s/-v0__${EXP}__([0-9]+)__.*/:\1/")}
+mkdir -p runs logs results && cp -rp carry/*-v0__${EXP}__* runs/ && chmod -R u+w runs   # -p: collect.sh reads the times
 resume_and_evaluate() {  # gpu env seed
   local gpu=$1 env=$2 seed=$3
-  local d=$(ls -d runs/$env-v0__ref__${seed}__*)
-  local tag=$(run_tag $env $seed)   # e.g. exact4_ref_s1
+  local d=$(ls -d runs/$env-v0__${EXP}__${seed}__*)
+  local tag=$(run_tag $env $seed $EXP)   # e.g. exact4_ref_s1
   if [ $gpu = 0 ] && [ -z "$SKIP_GPU_TESTS" ] && [ ! -f logs/gpu_tests.log ]; then
     CUDA_VISIBLE_DEVICES=0 python3 -m pytest tests -q -rs -k "cuda or captured or compiled or bf16" > logs/gpu_tests.log 2>&1
   fi
@@ -36,7 +37,7 @@ resume_and_evaluate() {  # gpu env seed
       --labels IRU-5-5M FlexLoop-5M+1M --skip-eval $STRESS_FLAGS --stress-eps $eps --stress-split $split $EVAL_FLAGS \
       --exp-name ${tag}_5m_stress_$split --out-dir results/${tag}_5m_stress_$split > logs/${tag}_5m_stress_$split.log 2>&1
   done
-  [ -n "$CONTROL" ] && START_DIR=runs START=ref START_FILE=pretrained.pt EXP=ref-5m-lambda0-1m LABEL=Self-TD-Only-5M+1M \
+  [ -n "$CONTROL" ] && START_DIR=runs START=$EXP START_FILE=pretrained.pt EXP=$EXP-5m-lambda0-1m LABEL=Self-TD-Only-5M+1M \
     RUNS=$env:$seed FIRST_GPU=$gpu bash carry/session/plan_selftd_1m.sh > logs/${tag}_5m_control_plan.log 2>&1
 }
 on_each_gpu resume_and_evaluate
