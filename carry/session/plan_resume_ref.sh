@@ -3,11 +3,11 @@
 # per GPU: RUNS lists ENV:SEED, the i-th on GPU FIRST_GPU + i (0 unless set; by default every run still going; two
 # runs sharing a GPU make fewer updates together than one alone, BENCHMARKS.md, so on 2 GPUs list two). GPU 0
 # first runs the GPU-only tests (SKIP_GPU_TESTS=1: not, e.g. when the training code has not changed since they last
-# passed). A run that ends (5M pretraining updates, then its own 1M of FlexLoop) is then evaluated: eval_adaptive.py on its pretrained.pt (IRU-5 at 5M) and final.pt, the
-# paper's whole protocol; then the paper's Table 3, the wall clock of both at 32,768 envs on each split, at the ε
-# that evaluation calibrated for FlexLoop (the stress test runs on its own, so that a failure cannot cost the above).
-# With CONTROL=1 the run's GPU then trains its control, Self-TD Only for 1M updates from the same pretrained.pt
-# (plan_selftd_1m.sh, evaluated on the same episodes).
+# passed). A run that ends (5M pretraining updates, then its own 1M of FlexLoop) is then evaluated, the paper's
+# whole protocol: eval_adaptive.py on its pretrained.pt (IRU-5 at 5M) and final.pt. Then the paper's Table 3: the
+# wall clock of both at 32,768 envs on each split, at the ε that evaluation calibrated for FlexLoop (a run of its
+# own, so that a failure cannot cost the above). With CONTROL=1 the run's GPU then trains its control, Self-TD Only
+# for 1M updates from the same pretrained.pt (plan_selftd_1m.sh, evaluated on the same episodes).
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source carry/session/per_gpu.sh
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes --no-cuda in these two
