@@ -23,7 +23,8 @@ train_and_evaluate() {  # gpu env seed
   local gpu=$1 env=$2 seed=$3
   local base=${START%-start}   # the exp-name of the run it starts from: ref, or gen-flax
   local tag=$(run_tag $env $seed $base)_$(echo ${EXP#$base-} | tr - _)   # e.g. exact4_ref_s1_lambda0_1m
-  local start=$(ls $START_DIR/$env-v0__${START}__$seed*/$START_FILE | head -1)
+  local start=$(ls $START_DIR/$env-v0__${START}__$seed*/$START_FILE 2>/dev/null | head -1)
+  [ -n "$start" ] || { echo "no $START_DIR/$env-v0__${START}__$seed*/$START_FILE to start from" > logs/$tag.log; return; }
   CUDA_VISIBLE_DEVICES=$gpu python3 flexloop_gcdqn.py --env-id $env-v0 --init-checkpoint $start \
     --seed $seed --num-epochs $EPOCHS --lambda-depth 0 $TRAIN_FLAGS --save-every-minutes 2 --exp-name $EXP \
     > logs/$tag.log 2>&1 || return
