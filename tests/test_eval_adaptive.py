@@ -328,6 +328,19 @@ def test_smoke_run_writes_results_and_plots(checkpoints, tmp_path, capsys):
     assert "{" not in printed and len(printed.splitlines()) < 60
 
 
+def test_stress_test_alone_on_train_tasks_names_the_papers_train_row(checkpoints, tmp_path, capsys):
+    """--skip-eval times the given eps only; Table 3's train row is 170.1 / 133.0 ms = 1.28x at mean depth 3.85."""
+    out_dir = ea.main(ea.Args(checkpoints=(str(checkpoints[1]),), skip_eval=True, stress_envs=(8,), stress_eps=0.02,
+                              stress_split="train", stress_warmup=2, stress_samples=2, stress_block=1,
+                              out_dir=str(tmp_path / "out"), cuda=False))
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["checkpoints"] == [] and results["stress"]["paper_anchor"]["mean_depth"] == 3.85
+    (row,) = results["stress"]["results"]
+    assert row["split"] == "train" and row["eps"] == 0.02
+    heading = capsys.readouterr().out.split("wall clock of one env step")[1].splitlines()[0]
+    assert "train tasks" in heading and "the paper (Table 3): 1.28x at mean depth 3.85" in heading
+
+
 def row_eps(results, label):
     return next(c["calibration"]["eps"] for c in results["checkpoints"] if c["label"] == label)
 

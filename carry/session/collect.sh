@@ -8,9 +8,10 @@ copy_out() {  # copy_out FILE [SUFFIX]: to $OUT as e.g. Exact-4_ref_s1.pt, writt
   cp $1 $OUT/$name.pt.tmp && mv $OUT/$name.pt.tmp $OUT/$name.pt
 }
 # plan_resume_ref: the latest.pt of each reference run that trained on this machine (newer than the first plan),
-# or its final.pt once it has ended (5M + 1M; one file a run, so four runs, two pretrained.pt and progress.tgz fit)
+# or its final.pt once it has ended there (5M + 1M; one file a run, so four runs, two pretrained.pt and progress.tgz
+# fit; a final.pt carried in for plan_stress_ref is older than the plan and stays)
 for d in runs/*__ref__* runs/*__gen-flax__*; do   # the Exact runs are ref, the Generalize ones gen-flax
-  if [ -f $d/final.pt ]; then copy_out $d/final.pt _final
+  if [ -f $d/final.pt ]; then [ $d/final.pt -nt /root/plan.started ] && copy_out $d/final.pt _final
   elif [ $d/latest.pt -nt /root/plan.started ]; then copy_out $d/latest.pt
   fi
 done

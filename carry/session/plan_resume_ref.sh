@@ -12,7 +12,8 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source carry/session/per_gpu.sh
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes --no-cuda in these two
 EVAL_FLAGS=${EVAL_FLAGS:-}
-STRESS_FLAGS=${STRESS_FLAGS:---stress-envs 32768}  # a CPU dry run passes e.g. --stress-envs 64 --stress-samples 5
+# STRESS_FLAGS (per_gpu.sh's stress_test; --stress-envs 32768 unless set): a CPU dry run passes e.g.
+# --stress-envs 64 --stress-samples 5
 EXP=${EXP:-ref}
 # by default every carried run of EXP still going: a latest.pt and no final.pt (e.g. BoxPick-Exact-4:1)
 RUNS=${RUNS:-$(for d in carry/*-v0__${EXP}__*; do [ -f $d/latest.pt ] && [ ! -f $d/final.pt ] && basename $d; done | sed -E "s/-v0__${EXP}__([0-9]+)__.*/:\1/")}
@@ -32,11 +33,7 @@ resume_and_evaluate() {  # gpu env seed
     > logs/${tag}_5m_eval.log 2>&1 || return
   local eps=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['checkpoints'][1]['calibration']['eps'])" \
     results/${tag}_5m/results.json)
-  for split in train unseen; do
-    CUDA_VISIBLE_DEVICES=$gpu python3 eval_adaptive.py --checkpoints $d/pretrained.pt $d/final.pt \
-      --labels IRU-5-5M FlexLoop-5M+1M --skip-eval $STRESS_FLAGS --stress-eps $eps --stress-split $split $EVAL_FLAGS \
-      --exp-name ${tag}_5m_stress_$split --out-dir results/${tag}_5m_stress_$split > logs/${tag}_5m_stress_$split.log 2>&1
-  done
+  stress_test $gpu $d ${tag}_5m $eps
   [ -n "$CONTROL" ] && START_DIR=runs START=$EXP START_FILE=pretrained.pt EXP=$EXP-5m-lambda0-1m LABEL=Self-TD-Only-5M+1M \
     RUNS=$env:$seed FIRST_GPU=$gpu bash carry/session/plan_selftd_1m.sh > logs/${tag}_5m_control_plan.log 2>&1
 }

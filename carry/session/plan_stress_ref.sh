@@ -1,0 +1,16 @@
+#!/bin/bash
+# The paper's Table 3 for reference runs that ended in an earlier lease, whose stress test has not run (or was
+# stopped): per_gpu.sh's stress_test on their carried pretrained.pt and final.pt, one run after another on GPU
+# (0 unless set), so that no two timings share a GPU. RUNS lists ENV:SEED (by default every carried run of EXP,
+# ref unless set, with a final.pt); STRESS_EPS is FlexLoop's calibrated eps (0.02, every Exact-4 seed's, unless set).
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+source carry/session/per_gpu.sh
+EVAL_FLAGS=${EVAL_FLAGS:-}
+EXP=${EXP:-ref} GPU=${GPU:-0} STRESS_EPS=${STRESS_EPS:-0.02}
+RUNS=${RUNS:-$(for d in carry/*-v0__${EXP}__*; do [ -f $d/final.pt ] && basename $d; done | sed -E "s/-v0__${EXP}__([0-9]+)__.*/:\1/")}
+mkdir -p logs results
+for run in $RUNS; do
+  env=${run%:*} seed=${run#*:}
+  stress_test $GPU $(ls -d carry/$env-v0__${EXP}__${seed}__*) $(run_tag $env $seed $EXP)_5m $STRESS_EPS
+done
+echo "plan finished $(date)"
