@@ -328,6 +328,21 @@ def test_smoke_run_writes_results_and_plots(checkpoints, tmp_path, capsys):
     assert "{" not in printed and len(printed.splitlines()) < 60
 
 
+def test_stress_test_times_a_checkpoint_on_its_own_env(checkpoints, tmp_path, capsys):
+    """An Exact-3 policy is timed on Exact-3 (not on the paper's Exact-4), and naming another env is refused."""
+    other = torch.load(checkpoints[1], weights_only=True)
+    other["env_id"] = other["args"]["env_id"] = "BoxPick-Exact-3-v0"
+    torch.save(other, tmp_path / "exact3.pt")
+    stress_only = dict(checkpoints=(str(tmp_path / "exact3.pt"),), skip_eval=True, stress_envs=(8,), stress_eps=0.02,
+                       stress_warmup=2, stress_samples=2, stress_block=1, out_dir=str(tmp_path / "out"), cuda=False)
+    with pytest.raises(ValueError, match="not the checkpoints' env BoxPick-Exact-3-v0; leave --stress-env-id out"):
+        ea.main(ea.Args(**stress_only, stress_env_id="BoxPick-Exact-4-v0"))
+    results = json.loads((ea.main(ea.Args(**stress_only)) / "results.json").read_text())
+    assert results["stress"]["results"][0]["env_id"] == "BoxPick-Exact-3-v0"
+    assert results["stress"]["paper_anchor"] is None
+    assert "the paper's Table 3 is on BoxPick-Exact-4-v0" in capsys.readouterr().out
+
+
 def test_stress_test_alone_on_train_tasks_names_the_papers_train_row(checkpoints, tmp_path, capsys):
     """--skip-eval times the given eps only; Table 3's train row is 170.1 / 133.0 ms = 1.28x at mean depth 3.85."""
     out_dir = ea.main(ea.Args(checkpoints=(str(checkpoints[1]),), skip_eval=True, stress_envs=(8,), stress_eps=0.02,
