@@ -16,7 +16,7 @@ EVAL_FLAGS=${EVAL_FLAGS:-}
 # --stress-envs 64 --stress-samples 5
 EXP=${EXP:-ref}
 # by default every carried run of EXP still going: a latest.pt and no final.pt (e.g. BoxPick-Exact-4:1)
-RUNS=${RUNS:-$(for d in carry/*-v0__${EXP}__*; do [ -f $d/latest.pt ] && [ ! -f $d/final.pt ] && basename $d; done | sed -E "s/-v0__${EXP}__([0-9]+)__.*/:\1/")}
+RUNS=${RUNS:-$(carried_runs $EXP 0)}
 mkdir -p runs logs results && cp -rp carry/*-v0__${EXP}__* runs/ && chmod -R u+w runs   # -p: collect.sh reads the times
 resume_and_evaluate() {  # gpu env seed
   local gpu=$1 env=$2 seed=$3

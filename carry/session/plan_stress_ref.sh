@@ -7,7 +7,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source carry/session/per_gpu.sh
 EVAL_FLAGS=${EVAL_FLAGS:-}
 EXP=${EXP:-ref} GPU=${GPU:-0} STRESS_EPS=${STRESS_EPS:-0.02}
-RUNS=${RUNS:-$(for d in carry/*-v0__${EXP}__*; do [ -f $d/final.pt ] && basename $d; done | sed -E "s/-v0__${EXP}__([0-9]+)__.*/:\1/")}
+RUNS=${RUNS:-$(carried_runs $EXP 1)}
 mkdir -p logs results
 for run in $RUNS; do
   env=${run%:*} seed=${run#*:}
