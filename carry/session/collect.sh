@@ -22,12 +22,12 @@ for f in runs/*__ref__*/pretrained.pt runs/*__gen-flax__*/pretrained.pt; do
 done
 # plan_flexloop_ref's final.pt files, until the resume plan runs: its latest.pt files then take the room (an earlier
 # call of the lease has brought these back by then)
-[ -f /root/started_plan_resume_ref ] || for f in runs/*__ref-lambda1__*/final.pt; do
+ls /root/started_plan_resume_ref* > /dev/null 2>&1 || for f in runs/*__ref-lambda1__*/final.pt; do
   [ -f $f ] && copy_out $f
 done
 # plan_flexloop_1m and plan_selftd_1m: each run's latest.pt while it trains, then its final.pt (the same name,
 # so final.pt wins); not once the resume plan runs, whose four latest.pt files need the room
-[ -f /root/started_plan_resume_ref ] || for f in runs/*__ref-lambda1-to1m__*/latest.pt runs/*__ref-lambda1-to1m__*/final.pt \
+ls /root/started_plan_resume_ref* > /dev/null 2>&1 || for f in runs/*__ref-lambda1-to1m__*/latest.pt runs/*__ref-lambda1-to1m__*/final.pt \
          runs/*__ref-lambda0-1m__*/latest.pt runs/*__ref-lambda0-1m__*/final.pt; do
   [ -f $f ] && [ $f -nt /root/plan.started ] && copy_out $f
 done

@@ -6,9 +6,12 @@ end=$(( $(date +%s) + $1 ))
 while [ $(date +%s) -lt $end ]; do
   left=$(( end - $(date +%s) ))
   sleep $(( left < 60 ? left : 60 ))   # never past $1: the call's timeout is set from it
-  finished=$([ -n "$2" ] && grep -c "plan finished" /root/log_${2%.sh}.log 2>/dev/null)
+  finished=0   # the plan has finished for every EXP it was started with (ensure.sh's log_PLAN[_EXP].log)
+  if [ -n "$2" ]; then
+    finished=1; for f in /root/log_${2%.sh}*.log; do grep -q "plan finished" $f 2>/dev/null || finished=0; done
+  fi
   bash carry/session/collect.sh
-  [ "${finished:-0}" -gt 0 ] && break
+  [ $finished = 1 ] && break
 done
 cd /root/w && for f in logs/*.log; do echo "== $f"; tail -c 600 $f; echo; done
 nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv
