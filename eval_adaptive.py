@@ -1548,17 +1548,15 @@ def main(args: Args):
         pbar.close()
 
     stress = []
-    if args.stress_envs and adapter_for(env_id) is BoxPickAdapter:
+    if args.stress_envs and adapter_for(env_id) is not BoxPickAdapter:
+        print(f"stress test: skipped; it drives BoxPick checkpoints, and these are on {env_id}")
+    elif args.stress_envs:
         # a policy is timed on the env it was trained on: another env's tasks would make its depths meaningless
         if args.stress_env_id not in (None, env_id):
             raise ValueError(f"--stress-env-id {args.stress_env_id} is not the checkpoints' env {env_id}; leave "
                              f"--stress-env-id out to time them on their own env")
         args = replace(args, stress_env_id=env_id)
-    if args.stress_envs:
-        for (label, _, _, checkpoint, network, _), ev in zip(loaded, evaluations or [None] * len(loaded)):
-            if adapter_for(checkpoint["env_id"]) is not BoxPickAdapter:
-                print(f"stress test: skipping {label} ({checkpoint['env_id']}); it drives BoxPick checkpoints")
-                continue
+        for (label, _, _, _, network, _), ev in zip(loaded, evaluations or [None] * len(loaded)):
             eps = args.stress_eps if args.stress_eps is not None else ev["calibration"]["eps"]
             if args.compile:
                 network.advance, network.decide = torch.compile(network.advance), torch.compile(network.decide)

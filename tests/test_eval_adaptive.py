@@ -600,3 +600,12 @@ def test_wandb_gets_every_table_with_its_rows(monkeypatch, tmp_path):
     matched = logged["eval/matched_success"]
     assert len(matched.data) == 2 * 2 and matched.columns[:2] == ["checkpoint", "split"]
     assert len(logged["eval/adaptive"].data) == 2 * 2 * len(ea.EPS_GRIDS["lightsout"])
+
+
+def test_stress_test_of_non_boxpick_checkpoints_is_skipped_and_said(gcppo_checkpoints, tmp_path, capsys):
+    """The stress test drives BoxPick envs; LightsOut checkpoints are named as skipped, with no timing rows."""
+    out_dir = ea.main(ea.Args(checkpoints=tuple(str(p) for p in gcppo_checkpoints), skip_eval=True, stress_envs=(8,),
+                              stress_eps=0.02, out_dir=str(tmp_path / "out"), cuda=False))
+    assert "stress test: skipped; it drives BoxPick checkpoints, and these are on LightsOut-4x5-v0" in \
+        capsys.readouterr().out
+    assert json.loads((out_dir / "results.json").read_text())["stress"]["results"] == []
