@@ -1,0 +1,28 @@
+#!/bin/bash
+# Run here, not on the device. What travels holds 64 MiB, and four runs' latest.pt (9 MiB each) with three
+# pretrained.pt in full would pass it. eval_adaptive.py reads only a checkpoint's model (network_from_checkpoint),
+# so before the calls swap each carried pretrained.pt of EXP (gen-flax unless set) for a copy without its target
+# network and optimizer (2.3 of 9 MiB); the full files wait in HELD (/work/held_pretrained unless set).
+#   bash carry/session/slim_pretrained.sh          # before the first call
+#   bash carry/session/slim_pretrained.sh restore  # after the last: the full files back (git status then clean)
+cd "$(git rev-parse --show-toplevel)"
+EXP=${EXP:-gen-flax}
+HELD=${HELD:-/work/held_pretrained}
+PYTHON=${PYTHON:-.venv/bin/python}
+if [ "$1" = restore ]; then
+  for f in $HELD/*/pretrained.pt; do [ -f "$f" ] && mv "$f" "carry/$(basename "$(dirname "$f")")/pretrained.pt"; done
+  rm -rf "$HELD"
+  exit
+fi
+for f in carry/*-v0__${EXP}__*/pretrained.pt; do
+  [ -f "$f" ] || continue
+  run=$(basename "$(dirname "$f")")
+  [ -f "$HELD/$run/pretrained.pt" ] && { echo "$HELD/$run/pretrained.pt exists: restore first"; exit 1; }
+  mkdir -p "$HELD/$run" && mv "$f" "$HELD/$run/pretrained.pt"
+  $PYTHON - "$HELD/$run/pretrained.pt" "$f" <<'EOF' || exit 1
+import sys, torch
+full = torch.load(sys.argv[1], map_location="cpu", weights_only=True)
+torch.save({k: v for k, v in full.items() if k not in ("target_model", "optimizer")}, sys.argv[2])
+EOF
+  echo "$f: $(stat -c %s "$f") bytes (full: $HELD/$run/pretrained.pt)"
+done
