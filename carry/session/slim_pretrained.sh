@@ -1,8 +1,9 @@
 #!/bin/bash
 # Run here, not on the device. What travels holds 64 MiB, and four runs' latest.pt (9 MiB each) with three
-# pretrained.pt in full would pass it. eval_adaptive.py reads only a checkpoint's model (network_from_checkpoint),
-# so before the calls swap each carried pretrained.pt of EXP (gen-flax unless set) for a copy without its target
-# network and optimizer (2.3 of 9 MiB); the full files wait in HELD (/work/held_pretrained unless set).
+# pretrained.pt in full would pass it. What the device reads of a pretrained.pt is its model alone (eval_adaptive.py's
+# network_from_checkpoint; --init-checkpoint for the Self-TD Only control), so before the calls swap each carried
+# pretrained.pt of EXP (gen-flax unless set) for a copy without its target network and optimizer (2.3 of 9 MiB);
+# the full files wait in HELD (/work/held_pretrained unless set).
 #   bash carry/session/slim_pretrained.sh          # before the first call
 #   bash carry/session/slim_pretrained.sh restore  # after the last: the full files back (git status then clean)
 cd "$(git rev-parse --show-toplevel)"
