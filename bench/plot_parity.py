@@ -59,7 +59,7 @@ def main():
             x = [r["global_step"] / 1e6 if cli.env_steps else r["global_step"] * cli.updates_per_step / 1000
                  for r in records]
             for k in depths:
-                labelled = one_depth or cli.depths or k in (depth - 1, depth)  # all depths: label the top two
+                labelled = one_depth or cli.depths or k in (depth - 1, depth)  # default: label the top two
                 axis.plot(x, [r[f"eval/{split}/success_depth_{k}"] for r in records], style, marker="o",
                           markersize=3, color=plt.cm.tab10(run % 10) if one_depth else colours[k - 1],
                           label=f"{label}, depth {k}" if labelled else None)
