@@ -1348,8 +1348,8 @@ def train(args: Args):
     td_weights = torch.zeros(args.depth, device=device)  # the TD loss's weight per depth, set per phase
 
     # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network or a teacher was given, then FlexLoop,
-    # whose TD term is as --ablation says.
-    pretrain_epochs = 0 if run.init is not None or teacher is not None else args.pretrain_epochs
+    # whose TD term is as --ablation says. From the flags, not run.init: a resumed run started from one has none.
+    pretrain_epochs = 0 if args.init_checkpoint or teacher is not None else args.pretrain_epochs
     phases = [("pretrain", pretrain_epochs * args.intervals_per_epoch, 0.0),
               ("flexloop", args.num_epochs * args.intervals_per_epoch, args.lambda_depth)]
     phase_td_weights = {"pretrain": torch.tensor(td_depth_weights("none", args.depth), device=device),

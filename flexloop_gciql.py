@@ -1283,8 +1283,8 @@ def train(args: Args):
                          loss_sums, losses=run.compiled(flexloop_losses))
 
     # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network was given, then FlexLoop. An iteration
-    # is one update.
-    pretrain_steps = 0 if run.init is not None else args.pretrain_steps
+    # is one update. From the flags, not run.init: a resumed run started from one has none.
+    pretrain_steps = 0 if args.init_checkpoint else args.pretrain_steps
     phases = [("pretrain", pretrain_steps, 0.0),
               ("flexloop", args.total_steps, args.lambda_depth)]
     parts = {"model": network, "target_model": target_critic, "optimizer": optimizer}

@@ -1263,8 +1263,8 @@ def train(args: Args):
     update = run.compiled(make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums))
 
     # Phases: IRU-K pretraining (lambda = 0, GAE value targets) unless a pretrained network was given, then
-    # FlexLoop. Budgets are whole rollouts.
-    pretrain_timesteps = 0 if run.init is not None else args.pretrain_timesteps
+    # FlexLoop. Budgets are whole rollouts. From the flags, not run.init: a resumed run started from one has none.
+    pretrain_timesteps = 0 if args.init_checkpoint else args.pretrain_timesteps
     phases = [("pretrain", pretrain_timesteps // batch_size, 0.0),
               ("flexloop", args.total_timesteps // batch_size, args.lambda_depth)]
     parts = {"model": network, "teacher_model": teacher, "optimizer": optimizer}

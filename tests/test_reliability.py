@@ -193,6 +193,32 @@ def test_sigterm_saves_and_resume_finishes_the_run(tmp_path, data_dir, script, k
     assert (final["global_step"], final[counter]) == (step_size * records, final_count)
 
 
+@pytest.mark.parametrize("script, budget", [("gcdqn", "num_epochs"), ("gcppo", "total_timesteps"),
+                                            ("gciql", "total_steps")])
+def test_a_resumed_run_started_from_init_checkpoint_stays_post_training(tmp_path, data_dir, script, budget):
+    """--init-checkpoint skips pretraining, and so must the run's resume: its own flags still carry the
+    --pretrain-* budget, which a resume that counted it would train (after the FlexLoop rows it had logged)."""
+    module = SCRIPTS[script]
+    pre_dir = module.train(script_args(script, tmp_path / "pre", data_dir, **{budget: 0}))
+    init = str(pre_dir / "final.pt")
+    doubled = 2 * getattr(script_args(script, tmp_path, data_dir), budget)
+    direct = module.train(script_args(script, tmp_path / "direct", data_dir, init_checkpoint=init,
+                                      **{budget: doubled}))
+    run_dir = module.train(script_args(script, tmp_path / "cut", data_dir, init_checkpoint=init))
+    # stop it where it ended, as if its budget had been twice this: a killed run's latest.pt and no final.pt
+    checkpoint = module.load_checkpoint(run_dir / "latest.pt")
+    checkpoint["args"][budget] *= 2
+    module.save_checkpoint(run_dir / "latest.pt", checkpoint)
+    (run_dir / "final.pt").unlink()
+    module.train(module.Args(resume=str(run_dir / "latest.pt")))
+    records = read_metrics(run_dir)
+    assert {r["phase"] for r in records} == {"flexloop"}
+    steps = [r["global_step"] for r in records]
+    assert steps == sorted(steps) and steps[-1] == read_metrics(direct)[-1]["global_step"]
+    assert module.load_checkpoint(run_dir / "final.pt")["global_step"] == \
+        module.load_checkpoint(direct / "final.pt")["global_step"]
+
+
 def test_readme_says_a_resumed_run_refills_its_replay():
     readme = (ROOT / "README.md").read_text()
     assert "`--resume` restarts with an empty replay that refills" in readme

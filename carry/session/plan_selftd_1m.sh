@@ -9,7 +9,8 @@
 #     git show b334973:carry/BoxPick-Exact-4-v0__ref__${s}__1795763631/latest.pt > $d/latest.pt; done
 # The control of a reference run's own FlexLoop phase (5M + 1M) starts from its pretrained.pt instead:
 #   START=ref START_FILE=pretrained.pt EXP=ref-5m-lambda0-1m LABEL=Self-TD-Only-5M+1M
-# RUNS lists ENV:SEED, the i-th on GPU FIRST_GPU + i (0 unless set).
+# RUNS lists ENV:SEED, the i-th on GPU FIRST_GPU + i (0 unless set). A control an earlier lease stopped, its latest.pt
+# carried back into carry/<ENV>-v0__<EXP>__<SEED>__*/ (and no final.pt there), resumes from it instead.
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source carry/session/per_gpu.sh
 TRAIN_FLAGS=${TRAIN_FLAGS:---require-cuda}  # a CPU dry run of the plan passes small-run flags in these two
@@ -23,11 +24,19 @@ train_and_evaluate() {  # gpu env seed
   local gpu=$1 env=$2 seed=$3
   local base=${START%-start}   # the exp-name of the run it starts from: ref, or gen-flax
   local tag=$(run_tag $env $seed $base)_$(echo ${EXP#$base-} | tr - _)   # e.g. exact4_ref_s1_lambda0_1m
-  local start=$(ls $START_DIR/$env-v0__${START}__$seed*/$START_FILE 2>/dev/null | head -1)
-  [ -n "$start" ] || { echo "no $START_DIR/$env-v0__${START}__$seed*/$START_FILE to start from" > logs/$tag.log; return; }
-  CUDA_VISIBLE_DEVICES=$gpu python3 flexloop_gcdqn.py --env-id $env-v0 --init-checkpoint $start \
-    --seed $seed --num-epochs $EPOCHS --lambda-depth 0 $TRAIN_FLAGS --save-every-minutes 2 --exp-name $EXP \
-    > logs/$tag.log 2>&1 || return
+  local stopped=$(ls -d carry/$env-v0__${EXP}__${seed}__* 2>/dev/null | head -1)
+  if [ -n "$stopped" ] && [ -f $stopped/latest.pt ] && [ ! -f $stopped/final.pt ]; then
+    cp -rp $stopped runs/ && chmod -R u+w runs/$(basename $stopped)   # -p: collect.sh reads the times
+    CUDA_VISIBLE_DEVICES=$gpu python3 flexloop_gcdqn.py --resume runs/$(basename $stopped)/latest.pt $TRAIN_FLAGS \
+      --save-every-minutes 2 >> logs/$tag.log 2>&1 || return
+  else
+    local start=$(ls $START_DIR/$env-v0__${START}__$seed*/$START_FILE 2>/dev/null | head -1)
+    [ -n "$start" ] || { echo "no $START_DIR/$env-v0__${START}__$seed*/$START_FILE to start from" > logs/$tag.log; return; }
+    CUDA_VISIBLE_DEVICES=$gpu python3 flexloop_gcdqn.py --env-id $env-v0 --init-checkpoint $start \
+      --seed $seed --num-epochs $EPOCHS --lambda-depth 0 $TRAIN_FLAGS --save-every-minutes 2 --exp-name $EXP \
+      > logs/$tag.log 2>&1 || return
+  fi
+  ls runs/$env-v0__${EXP}__${seed}__*/final.pt > /dev/null 2>&1 || return   # stopped (SIGTERM): latest.pt, to resume
   CUDA_VISIBLE_DEVICES=$gpu python3 eval_adaptive.py --checkpoints runs/$env-v0__${EXP}__${seed}__*/final.pt \
     --labels $LABEL $EVAL_FLAGS --exp-name $tag --out-dir results/$tag > logs/${tag}_eval.log 2>&1
 }
