@@ -26,9 +26,10 @@ train_and_evaluate() {  # gpu env seed
   local tag=$(run_tag $env $seed $base)_$(echo ${EXP#$base-} | tr - _)   # e.g. exact4_ref_s1_lambda0_1m
   local stopped=$(ls -d carry/$env-v0__${EXP}__${seed}__* 2>/dev/null | head -1)
   if [ -n "$stopped" ] && [ -f $stopped/latest.pt ] && [ ! -f $stopped/final.pt ]; then
-    cp -rp $stopped runs/ && chmod -R u+w runs/$(basename $stopped)   # -p: collect.sh reads the times
-    CUDA_VISIBLE_DEVICES=$gpu python3 flexloop_gcdqn.py --resume runs/$(basename $stopped)/latest.pt $TRAIN_FLAGS \
-      --save-every-minutes 2 >> logs/$tag.log 2>&1 || return
+    local run=runs/$(basename $stopped)
+    cp -rp $stopped runs/ && chmod -R u+w $run   # -p: collect.sh reads the times
+    CUDA_VISIBLE_DEVICES=$gpu python3 flexloop_gcdqn.py --resume $run/latest.pt $TRAIN_FLAGS --save-every-minutes 2 \
+      >> logs/$tag.log 2>&1 || return
   else
     local start=$(ls $START_DIR/$env-v0__${START}__$seed*/$START_FILE 2>/dev/null | head -1)
     [ -n "$start" ] || { echo "no $START_DIR/$env-v0__${START}__$seed*/$START_FILE to start from" > logs/$tag.log; return; }
