@@ -2,6 +2,7 @@
 # Keep the call alive for up to $1 seconds, collecting every minute; with a plan name as $2, return early once that
 # plan has finished (after a last collection). Then print each log's last lines.
 end=$(( $(date +%s) + $1 ))
+[ -d /root/w ] || { echo "no /root/w: a fresh machine (the last one went back); nothing to watch. Put the ensure.sh lines before watch.sh"; exit 1; }
 [ -f /root/call.started ] && mv /root/call.started /root/call.previous; touch /root/call.started  # collect.sh
 while [ $(date +%s) -lt $end ]; do
   left=$(( end - $(date +%s) ))
