@@ -4,7 +4,7 @@
     python bench/stress_test.py --checkpoints runs/X/final.pt --stress-eps 0.02 --stress-envs 1024 --stress-mode compact
 
 Whole BoxPick-Exact-4 env steps (policy + act + env.step) at full depth against compacted and masked adaptive
-depth, CUDA-synchronised: median and IQR per step, speed-up next to the ideal K / mean depth. Takes every flag of
+depth, CUDA-synchronised: median, IQR and mean per step, speed-up next to the ideal K / mean depth. Takes every flag of
 eval_adaptive.py (defaults here: 1,024 and 32,768 envs, no evaluation); prints the JSON and writes results.json.
 """
 

@@ -158,6 +158,12 @@ def test_bucketed_steps_redo_overflows_and_follow_the_masked_episodes():
     assert torch.equal(bucketed.depth_counts, masked.depth_counts)
     assert len(sizes_used) > 2 and min(map(sum, sizes_used)) < sum(bucketed.full_sizes)  # it did compact
     assert bucketed.overflow_steps > 0  # no margin: some steps outgrow the recent maximum and are redone
+    bucketed.sizes_seen_before_timing = len(bucketed.policy_runs)  # as stress_test marks the end of warmup
+    sizes_after = set()
+    for _ in range(30):
+        sizes_after.add(bucketed.sizes)
+        bucketed.step()
+    assert bucketed.report()["new_sizes_while_timed"] == len(sizes_after - sizes_used)
 
 
 def test_bucket_sizes_cover_recent_counts_and_skip_small_shrinks():
@@ -322,6 +328,7 @@ def test_smoke_run_writes_results_and_plots(checkpoints, tmp_path, capsys):
         for mode in ("compact", "masked"):
             m = row["modes"][mode]
             assert m["ms_per_step_median"] > 0 and m["ms_per_step_iqr"] >= 0 and m["speedup"] > 0
+            assert m["ms_per_step_mean"] > 0 and m["new_sizes_while_timed"] == 0  # eager compact: no buckets
             assert m["ideal_speedup"] == pytest.approx(K / m["mean_depth"])
     printed = capsys.readouterr().out  # tables, not JSON (the JSON is in results.json)
     assert "speed-up" in printed and "the paper (Table 3): 1.34x" in printed and '"paper_anchor"' not in printed
