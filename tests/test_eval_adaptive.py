@@ -329,6 +329,8 @@ def test_smoke_run_writes_results_and_plots(checkpoints, tmp_path, capsys):
             m = row["modes"][mode]
             assert m["ms_per_step_median"] > 0 and m["ms_per_step_iqr"] >= 0 and m["speedup"] > 0
             assert m["ms_per_step_mean"] > 0 and m["new_sizes_while_timed"] == 0  # eager compact: no buckets
+            full_mean = row["modes"]["full"]["ms_per_step_mean"]
+            assert m["speedup_of_means"] == pytest.approx(full_mean / m["ms_per_step_mean"])
             assert m["ideal_speedup"] == pytest.approx(K / m["mean_depth"])
     printed = capsys.readouterr().out  # tables, not JSON (the JSON is in results.json)
     assert "speed-up" in printed and "the paper (Table 3): 1.34x" in printed and '"paper_anchor"' not in printed
