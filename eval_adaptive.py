@@ -138,6 +138,9 @@ class Args:
     """compact only when at least this fraction of the active rows stopped since the last compaction"""
     stress_bucket_margin: float = 0.05
     """CUDA graphs: compacted sizes are the recent maximum count plus this margin, rounded up to num_envs/32"""
+    stress_freeze_sizes: bool = False
+    """CUDA graphs: capture bucket sizes in the warm-up only; timed steps take the smallest captured sizes that
+    hold their counts, so no capture lands in a timed block (the steady state of a long run)"""
     compile: bool = False
     """torch.compile the network's advance and decide (every mode, the baseline included)"""
     cuda_graph: bool = True
@@ -829,6 +832,7 @@ class StressStepper:
         self.recent_counts, self.sizes, self.policy_runs = [], self.full_sizes, {}
         self.overflow_steps = 0
         self.sizes_seen_before_timing = 0  # set after warmup: sizes first seen later were captured while timed
+        self.freeze_sizes = False  # set after warmup by --stress-freeze-sizes: no new sizes from then on
         decision, depth = full_depth_policy(network, self.obs, self.goal)  # shapes for the static buffers
         self.decision, self.depth = decision.clone(), depth.clone()
         self.stats = torch.zeros(1 + self.num_levels, dtype=torch.long, device=device)
@@ -899,8 +903,8 @@ class StressStepper:
             return
         self.recent_counts = (self.recent_counts + [stats[1:]])[-10:]
         sizes = bucket_sizes(self.recent_counts, self.num_envs, self.margin, self.min_shrink)
-        if sizes not in self.policy_runs and len(self.policy_runs) >= MAX_POLICY_GRAPHS:
-            # past the cap: the smallest captured sizes that hold these counts (the full sizes always do)
+        if sizes not in self.policy_runs and (self.freeze_sizes or len(self.policy_runs) >= MAX_POLICY_GRAPHS):
+            # frozen or past the cap: the smallest captured sizes that hold these counts (the full sizes always do)
             sizes = min((s for s in self.policy_runs if all(a >= b for a, b in zip(s, sizes))), key=sum)
         self.sizes = sizes
 
@@ -932,6 +936,7 @@ def stress_test(network, args, eps, num_envs, device):
         stepper.episodes.zero_()
         stepper.overflow_steps = 0
         stepper.sizes_seen_before_timing = len(stepper.policy_runs)
+        stepper.freeze_sizes = args.stress_freeze_sizes
     sync()
     times = {mode: [] for mode in modes}
     for _ in range(args.stress_samples):
@@ -944,6 +949,7 @@ def stress_test(network, args, eps, num_envs, device):
             times[mode].append((time.perf_counter() - start) / args.stress_block * 1000)
     result = {"num_envs": num_envs, "env_id": args.stress_env_id, "split": args.stress_split, "eps": eps,
               "k_min": args.k_min, "depth": network.depth, "cuda_graph": use_graph, "compile": args.compile,
+              "freeze_sizes": args.stress_freeze_sizes and use_graph,  # eager compact mode has no buckets
               "steps_timed": args.stress_samples * args.stress_block, "modes": {}}
     for mode in modes:
         q25, median, q75 = np.percentile(times[mode], [25, 50, 75])
@@ -1470,7 +1476,8 @@ def summary_tables(evaluations, stress):
                  f"{anchor['depth']} with {anchor['num_envs']:,} envs" if anchor
                  else f"the paper's Table 3 is on {PAPER_ANCHORS['unseen']['env_id']}")
         lines += ["", f"wall clock of one env step ({first.get('env_id', '')}, {first.get('split', '')} tasks, "
-                      f"CUDA graphs {'on' if first.get('cuda_graph') else 'off'}); {paper}"]
+                      f"CUDA graphs {'on' if first.get('cuda_graph') else 'off'}"
+                      f"{', sizes frozen after warm-up' if first.get('freeze_sizes') else ''}); {paper}"]
         rows, errors = [], []
         for row in stress:
             if "error" in row:

@@ -4,7 +4,9 @@ printed table checked for readability."""
 
 import json
 import math
+import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib
 import numpy as np
@@ -18,6 +20,7 @@ from envs.lightsout import min_solution_length, solve
 
 matplotlib.use("Agg")
 K = 5
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -164,6 +167,35 @@ def test_bucketed_steps_redo_overflows_and_follow_the_masked_episodes():
         sizes_after.add(bucketed.sizes)
         bucketed.step()
     assert bucketed.report()["new_sizes_while_timed"] == len(sizes_after - sizes_used)
+
+
+def test_frozen_bucket_sizes_capture_nothing_new_and_still_follow_the_masked_episodes():
+    """--stress-freeze-sizes: after warm-up every step reuses captured sizes that hold its counts."""
+    network, obs, goal = random_network_and_batch(seed=1, batch=64)
+    eps = eps_between_deltas(network, obs, goal, 0.4)
+    bucketed, masked = (ea.StressStepper(network, mode, eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
+                                         min_shrink=0.0, margin=0.0, bucketed=mode == "compact")
+                        for mode in ("compact", "masked"))
+    for _ in range(10):  # warm-up
+        bucketed.step()
+        masked.step()
+    captured = set(bucketed.policy_runs)
+    bucketed.sizes_seen_before_timing, bucketed.freeze_sizes = len(captured), True
+    free = ea.StressStepper(network, "compact", eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
+                            min_shrink=0.0, margin=0.0, bucketed=True)
+    for _ in range(10):
+        free.step()
+    used_when_free = set()
+    for _ in range(30):
+        assert bucketed.sizes in captured
+        used_when_free.add(free.sizes)
+        bucketed.step()
+        masked.step()
+        free.step()
+    assert used_when_free - captured  # unfrozen, the same steps would have captured new sizes
+    assert bucketed.report()["new_sizes_while_timed"] == 0 and set(bucketed.policy_runs) == captured
+    assert torch.equal(bucketed.env.grid, masked.env.grid)
+    assert torch.equal(bucketed.depth_counts, masked.depth_counts)
 
 
 def test_bucket_sizes_cover_recent_counts_and_skip_small_shrinks():
@@ -335,6 +367,20 @@ def test_smoke_run_writes_results_and_plots(checkpoints, tmp_path, capsys):
     printed = capsys.readouterr().out  # tables, not JSON (the JSON is in results.json)
     assert "speed-up" in printed and "the paper (Table 3): 1.34x" in printed and '"paper_anchor"' not in printed
     assert "{" not in printed and len(printed.splitlines()) < 60
+
+
+def test_bucket_sizes_bench_counts_new_sizes_and_freezing_stops_them(checkpoints):
+    """bench/bucket_sizes.py replays compact mode's buckets on the CPU and prints JSON."""
+    def bench(*flags):
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "bucket_sizes.py"), "--checkpoint",
+                              str(checkpoints[1]), "--num-envs", "64", "--warmup", "3", "--steps", "12",
+                              "--eps", "1e-3", *flags], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+    free, frozen = bench(), bench("--freeze")
+    assert free["new_sizes_per_100_steps"] == [free["new_sizes_after_warmup"]]
+    assert frozen["new_sizes_after_warmup"] == 0 and frozen["new_sizes_in_warmup"] == free["new_sizes_in_warmup"] > 0
+    assert free["mean_depth"] == frozen["mean_depth"]  # freezing changes the buckets, never the decisions
+    assert 0 < free["mean_bucket_fraction_after_warmup"] <= frozen["mean_bucket_fraction_after_warmup"] <= 1
 
 
 def test_stress_test_times_a_checkpoint_on_its_own_env(checkpoints, tmp_path, capsys):

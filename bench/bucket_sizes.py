@@ -1,0 +1,56 @@
+"""How often the stress test's compact mode meets bucket sizes it has not captured yet, replayed eagerly (CPU is fine).
+
+    python bench/bucket_sizes.py --checkpoint carry/BoxPick-Generalize-4-1-v0__gen-flax__1__*/final.pt --split train
+    python bench/bucket_sizes.py --checkpoint ... --split train --freeze      # as --stress-freeze-sizes
+
+On a GPU, compact mode (eval_adaptive.py --stress-envs, CUDA graphs) captures one policy graph per set of bucket
+sizes, and a capture inside a timed block slows that block. The bucket logic does not depend on the device, so
+this runs it eagerly (bucketed, no graphs) and prints JSON: the new sizes met in the warm-up and in each 100 steps
+after it, the overflow redos, and the mean bucket size as a fraction of the envs (the compute the buckets keep).
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import eval_adaptive  # noqa: E402
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--checkpoint", required=True)
+parser.add_argument("--split", choices=("train", "unseen"), default="unseen")
+parser.add_argument("--eps", type=float, default=0.05)
+parser.add_argument("--num-envs", type=int, default=4096)
+parser.add_argument("--warmup", type=int, default=100, help="as eval_adaptive.py --stress-warmup")
+parser.add_argument("--steps", type=int, default=500, help="the steps a stress test times (50 samples of 10)")
+parser.add_argument("--freeze", action="store_true", help="no new sizes after the warm-up (--stress-freeze-sizes)")
+parser.add_argument("--seed", type=int, default=1)
+args = parser.parse_args()
+
+module, checkpoint = eval_adaptive.load_any_checkpoint(args.checkpoint)
+network, _ = module.network_from_checkpoint(checkpoint, torch.device("cpu"))
+network.eval().requires_grad_(False)
+stepper = eval_adaptive.StressStepper(network, "compact", args.eps, 1, args.num_envs, checkpoint["env_id"], args.split,
+                                      args.seed, torch.device("cpu"), use_graph=False, bucketed=True)
+start = time.time()
+new_sizes, bucket_fraction = [], []
+with torch.no_grad():
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            stepper.freeze_sizes = args.freeze
+        new_sizes.append(stepper.sizes not in stepper.policy_runs)
+        stepper.step()
+        bucket_fraction.append(sum(stepper.sizes) / (args.num_envs * max(stepper.num_levels, 1)))
+timed = new_sizes[args.warmup:]
+print(json.dumps({
+    "checkpoint": args.checkpoint, "env_id": checkpoint["env_id"], "split": args.split, "eps": args.eps,
+    "num_envs": args.num_envs, "freeze": args.freeze,
+    "new_sizes_in_warmup": sum(new_sizes[:args.warmup]), "new_sizes_after_warmup": sum(timed),
+    "new_sizes_per_100_steps": [sum(timed[i:i + 100]) for i in range(0, len(timed), 100)],
+    "overflow_steps": stepper.overflow_steps,
+    "mean_bucket_fraction_after_warmup": sum(bucket_fraction[args.warmup:]) / args.steps,
+    "mean_depth": stepper.report()["mean_depth"], "seconds": round(time.time() - start, 1)}))
