@@ -832,7 +832,7 @@ class StressStepper:
         self.recent_counts, self.sizes, self.policy_runs = [], self.full_sizes, {}
         self.overflow_steps = 0
         self.sizes_seen_before_timing = 0  # set after warmup: sizes first seen later were captured while timed
-        self.freeze_sizes = False  # set after warmup by --stress-freeze-sizes: no new sizes from then on
+        self.freeze_sizes = False  # freeze(): no new sizes from then on
         decision, depth = full_depth_policy(network, self.obs, self.goal)  # shapes for the static buffers
         self.decision, self.depth = decision.clone(), depth.clone()
         self.stats = torch.zeros(1 + self.num_levels, dtype=torch.long, device=device)
@@ -904,9 +904,18 @@ class StressStepper:
         self.recent_counts = (self.recent_counts + [stats[1:]])[-10:]
         sizes = bucket_sizes(self.recent_counts, self.num_envs, self.margin, self.min_shrink)
         if sizes not in self.policy_runs and (self.freeze_sizes or len(self.policy_runs) >= MAX_POLICY_GRAPHS):
-            # frozen or past the cap: the smallest captured sizes that hold these counts (the full sizes always do)
-            sizes = min((s for s in self.policy_runs if all(a >= b for a, b in zip(s, sizes))), key=sum)
+            sizes = self.captured_sizes_holding(sizes)
         self.sizes = sizes
+
+    def captured_sizes_holding(self, sizes):
+        """The smallest captured sizes that hold these (the full sizes, captured first, always do)."""
+        return min((s for s in self.policy_runs if all(a >= b for a, b in zip(s, sizes))), key=sum)
+
+    def freeze(self):
+        """--stress-freeze-sizes: no new bucket sizes from now on, the next step's included."""
+        self.freeze_sizes = True
+        if self.bucketed and self.sizes not in self.policy_runs:
+            self.sizes = self.captured_sizes_holding(self.sizes)
 
     def report(self):
         counts = self.depth_counts.double().cpu()
@@ -936,7 +945,8 @@ def stress_test(network, args, eps, num_envs, device):
         stepper.episodes.zero_()
         stepper.overflow_steps = 0
         stepper.sizes_seen_before_timing = len(stepper.policy_runs)
-        stepper.freeze_sizes = args.stress_freeze_sizes
+        if args.stress_freeze_sizes:
+            stepper.freeze()
     sync()
     times = {mode: [] for mode in modes}
     for _ in range(args.stress_samples):

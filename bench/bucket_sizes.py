@@ -40,8 +40,8 @@ start = time.time()
 new_sizes, bucket_fraction = [], []
 with torch.no_grad():
     for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            stepper.freeze_sizes = args.freeze
+        if step == args.warmup and args.freeze:
+            stepper.freeze()
         new_sizes.append(stepper.sizes not in stepper.policy_runs)
         stepper.step()
         bucket_fraction.append(sum(stepper.sizes) / (args.num_envs * max(stepper.num_levels, 1)))

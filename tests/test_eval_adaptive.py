@@ -176,14 +176,16 @@ def test_frozen_bucket_sizes_capture_nothing_new_and_still_follow_the_masked_epi
     bucketed, masked = (ea.StressStepper(network, mode, eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
                                          min_shrink=0.0, margin=0.0, bucketed=mode == "compact")
                         for mode in ("compact", "masked"))
-    for _ in range(10):  # warm-up
+    for _ in range(9):  # warm-up
         bucketed.step()
         masked.step()
     captured = set(bucketed.policy_runs)
-    bucketed.sizes_seen_before_timing, bucketed.freeze_sizes = len(captured), True
+    assert bucketed.sizes not in captured  # this warm-up ends on new sizes: freezing must not capture them either
+    bucketed.sizes_seen_before_timing = len(captured)
+    bucketed.freeze()
     free = ea.StressStepper(network, "compact", eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
                             min_shrink=0.0, margin=0.0, bucketed=True)
-    for _ in range(10):
+    for _ in range(9):
         free.step()
     used_when_free = set()
     for _ in range(30):
