@@ -145,13 +145,19 @@ def test_stress_steppers_compact_and_masked_follow_the_same_episodes():
     assert not torch.equal(compact.env.grid, compact.env.goal)  # the env state moved on
 
 
-def test_bucketed_steps_redo_overflows_and_follow_the_masked_episodes():
-    """The CUDA-graph path of compact mode (fixed sizes from recent counts, exact redo on overflow), run eagerly."""
+def eager_steppers(*modes):
+    """Eager stress steppers of one random network on the same 64 Exact-4 episodes; "bucketed" is compact mode on
+    the CUDA-graph path's fixed sizes (no margin, no minimum shrink, so the sizes move and sometimes overflow)."""
     network, obs, goal = random_network_and_batch(seed=1, batch=64)
     eps = eps_between_deltas(network, obs, goal, 0.4)
-    bucketed, masked = (ea.StressStepper(network, mode, eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
-                                         min_shrink=0.0, margin=0.0, bucketed=mode == "compact")
-                        for mode in ("compact", "masked"))
+    return [ea.StressStepper(network, "compact" if mode == "bucketed" else mode, eps, 1, 64, "BoxPick-Exact-4-v0",
+                             "train", 3, "cpu", False, min_shrink=0.0, margin=0.0, bucketed=mode == "bucketed")
+            for mode in modes]
+
+
+def test_bucketed_steps_redo_overflows_and_follow_the_masked_episodes():
+    """The CUDA-graph path of compact mode (fixed sizes from recent counts, exact redo on overflow), run eagerly."""
+    bucketed, masked = eager_steppers("bucketed", "masked")
     sizes_used = set()
     for _ in range(30):
         sizes_used.add(bucketed.sizes)
@@ -171,11 +177,7 @@ def test_bucketed_steps_redo_overflows_and_follow_the_masked_episodes():
 
 def test_frozen_bucket_sizes_capture_nothing_new_and_still_follow_the_masked_episodes():
     """--stress-freeze-sizes: after warm-up every step reuses captured sizes that hold its counts."""
-    network, obs, goal = random_network_and_batch(seed=1, batch=64)
-    eps = eps_between_deltas(network, obs, goal, 0.4)
-    bucketed, masked = (ea.StressStepper(network, mode, eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
-                                         min_shrink=0.0, margin=0.0, bucketed=mode == "compact")
-                        for mode in ("compact", "masked"))
+    bucketed, masked, free = eager_steppers("bucketed", "masked", "bucketed")
     for _ in range(9):  # warm-up
         bucketed.step()
         masked.step()
@@ -183,9 +185,7 @@ def test_frozen_bucket_sizes_capture_nothing_new_and_still_follow_the_masked_epi
     assert bucketed.sizes not in captured  # this warm-up ends on new sizes: freezing must not capture them either
     bucketed.sizes_seen_before_timing = len(captured)
     bucketed.freeze()
-    free = ea.StressStepper(network, "compact", eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
-                            min_shrink=0.0, margin=0.0, bucketed=True)
-    for _ in range(9):
+    for _ in range(9):  # the same warm-up, left unfrozen
         free.step()
     used_when_free = set()
     for _ in range(30):
