@@ -138,9 +138,10 @@ class Args:
     """compact only when at least this fraction of the active rows stopped since the last compaction"""
     stress_bucket_margin: float = 0.05
     """CUDA graphs: compacted sizes are the recent maximum count plus this margin, rounded up to num_envs/32"""
-    stress_freeze_sizes: bool = False
+    stress_freeze_sizes: bool = True
     """CUDA graphs: capture bucket sizes in the warm-up only; timed steps take the smallest captured sizes that
-    hold their counts, so no capture lands in a timed block (the steady state of a long run)"""
+    hold their counts, so no capture lands in a timed block (the steady state of a long run). The runs timed
+    before 2026-11-28 used --no-stress-freeze-sizes, which captures new sizes inside timed blocks too"""
     compile: bool = False
     """torch.compile the network's advance and decide (every mode, the baseline included)"""
     cuda_graph: bool = True
@@ -1485,9 +1486,11 @@ def summary_tables(evaluations, stress):
         paper = (f"the paper (Table 3): {anchor['speedup']}x at mean depth {anchor['mean_depth']:.2f} of "
                  f"{anchor['depth']} with {anchor['num_envs']:,} envs" if anchor
                  else f"the paper's Table 3 is on {PAPER_ANCHORS['unseen']['env_id']}")
+        graphs = "off" if not first.get("cuda_graph") else (
+            "on, bucket sizes frozen after warm-up" if first.get("freeze_sizes")
+            else "on, new bucket sizes captured while timed")
         lines += ["", f"wall clock of one env step ({first.get('env_id', '')}, {first.get('split', '')} tasks, "
-                      f"CUDA graphs {'on' if first.get('cuda_graph') else 'off'}"
-                      f"{', sizes frozen after warm-up' if first.get('freeze_sizes') else ''}); {paper}"]
+                      f"CUDA graphs {graphs}); {paper}"]
         rows, errors = [], []
         for row in stress:
             if "error" in row:

@@ -6,7 +6,9 @@
 On a GPU, compact mode (eval_adaptive.py --stress-envs, CUDA graphs) captures one policy graph per set of bucket
 sizes, and a capture inside a timed block slows that block. The bucket logic does not depend on the device, so
 this runs it eagerly (bucketed, no graphs) and prints JSON: the new sizes met in the warm-up and in each 100 steps
-after it, the overflow redos, and the mean bucket size as a fraction of the envs (the compute the buckets keep).
+after it, the overflow redos, and the mean bucket size as a fraction of the envs (the compute the buckets keep),
+overall and as quartiles over the timed blocks of 10 steps: a wide spread there is work that changes from block
+to block (the episodes' phase), which no capture policy removes.
 """
 
 import argparse
@@ -27,7 +29,8 @@ parser.add_argument("--eps", type=float, default=0.05)
 parser.add_argument("--num-envs", type=int, default=4096)
 parser.add_argument("--warmup", type=int, default=100, help="as eval_adaptive.py --stress-warmup")
 parser.add_argument("--steps", type=int, default=500, help="the steps a stress test times (50 samples of 10)")
-parser.add_argument("--freeze", action="store_true", help="no new sizes after the warm-up (--stress-freeze-sizes)")
+parser.add_argument("--freeze", action="store_true", help="no new sizes after the warm-up, as eval_adaptive.py by default "
+                    "(without it: as --no-stress-freeze-sizes)")
 parser.add_argument("--seed", type=int, default=1)
 args = parser.parse_args()
 
@@ -46,6 +49,7 @@ with torch.no_grad():
         stepper.step()
         bucket_fraction.append(sum(stepper.sizes) / (args.num_envs * max(stepper.num_levels, 1)))
 timed = new_sizes[args.warmup:]
+block_fractions = sorted(sum(bucket_fraction[i:i + 10]) / 10 for i in range(args.warmup, args.warmup + args.steps, 10))
 print(json.dumps({
     "checkpoint": args.checkpoint, "env_id": checkpoint["env_id"], "split": args.split, "eps": args.eps,
     "num_envs": args.num_envs, "freeze": args.freeze,
@@ -53,4 +57,5 @@ print(json.dumps({
     "new_sizes_per_100_steps": [sum(timed[i:i + 100]) for i in range(0, len(timed), 100)],
     "overflow_steps": stepper.overflow_steps,
     "mean_bucket_fraction_after_warmup": sum(bucket_fraction[args.warmup:]) / args.steps,
+    "block_bucket_fraction_q25_median_q75": [block_fractions[int(q * (len(block_fractions) - 1))] for q in (0.25, 0.5, 0.75)],
     "mean_depth": stepper.report()["mean_depth"], "seconds": round(time.time() - start, 1)}))

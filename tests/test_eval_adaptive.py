@@ -2,6 +2,7 @@
 episode accounting, bad inputs, a smoke run (results.json, plots, a tiny CPU stress test), and every plot and
 printed table checked for readability."""
 
+import functools
 import json
 import math
 import subprocess
@@ -371,6 +372,22 @@ def test_smoke_run_writes_results_and_plots(checkpoints, tmp_path, capsys):
     assert "{" not in printed and len(printed.splitlines()) < 60
 
 
+def test_stress_test_freezes_bucket_sizes_after_warmup_unless_told_not_to(monkeypatch):
+    """By default no graph capture lands in a timed block; --no-stress-freeze-sizes keeps the older protocol."""
+    network, obs, goal = random_network_and_batch(seed=1, batch=64)
+    eps = eps_between_deltas(network, obs, goal, 0.4)
+    eager_bucketed = functools.partial(ea.StressStepper, bucketed=True)  # the CUDA-graph path's buckets, on CPU
+    monkeypatch.setattr(ea, "StressStepper", lambda *a, **kw: eager_bucketed(*a, **kw))
+    def compact_row(**flags):
+        args = ea.Args(stress_env_id="BoxPick-Exact-4-v0", stress_split="train", stress_mode="compact", seed=3,
+                       stress_warmup=9, stress_samples=3, stress_block=10, stress_min_shrink=0.0,
+                       stress_bucket_margin=0.0, **flags)
+        return ea.stress_test(network, args, eps, 64, torch.device("cpu"))["modes"]["compact"]
+    frozen, free = compact_row(), compact_row(stress_freeze_sizes=False)
+    assert frozen["new_sizes_while_timed"] == 0 < free["new_sizes_while_timed"]
+    assert frozen["mean_depth"] == free["mean_depth"] and frozen["success"] == free["success"]
+
+
 def test_bucket_sizes_bench_counts_new_sizes_and_freezing_stops_them(checkpoints):
     """bench/bucket_sizes.py replays compact mode's buckets on the CPU and prints JSON."""
     def bench(*flags):
@@ -383,6 +400,8 @@ def test_bucket_sizes_bench_counts_new_sizes_and_freezing_stops_them(checkpoints
     assert frozen["new_sizes_after_warmup"] == 0 and frozen["new_sizes_in_warmup"] == free["new_sizes_in_warmup"] > 0
     assert free["mean_depth"] == frozen["mean_depth"]  # freezing changes the buckets, never the decisions
     assert 0 < free["mean_bucket_fraction_after_warmup"] <= frozen["mean_bucket_fraction_after_warmup"] <= 1
+    q25, median, q75 = frozen["block_bucket_fraction_q25_median_q75"]
+    assert 0 < q25 <= median <= q75 <= 1
 
 
 def test_stress_test_times_a_checkpoint_on_its_own_env(checkpoints, tmp_path, capsys):

@@ -3,8 +3,9 @@
 # stopped): per_gpu.sh's stress_test on their carried pretrained.pt and final.pt, one run after another on GPU
 # (0 unless set), so that no two timings share a GPU. RUNS lists ENV:SEED (by default every carried run of EXP,
 # ref unless set, with a final.pt); STRESS_EPS is FlexLoop's calibrated eps (0.02, every Exact-4 seed's, unless set).
-# FREEZE_TOO=1 times each run a second time with --stress-freeze-sizes (no graph capture inside a timed block), into
-# results/<tag>_5m_frozen_stress_<split>, right after its first timing: an A/B on one card in one call.
+# UNFROZEN_TOO=1 times each run a second time with --no-stress-freeze-sizes (new bucket sizes captured inside timed
+# blocks, the protocol before 2026-11-28), into results/<tag>_5m_unfrozen_stress_<split>, right after its first
+# timing: an A/B on one card in one call.
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source carry/session/per_gpu.sh
 EVAL_FLAGS=${EVAL_FLAGS:-}
@@ -15,7 +16,7 @@ for run in $RUNS; do
   env=${run%:*} seed=${run#*:}
   dir=$(ls -d carry/$env-v0__${EXP}__${seed}__*)
   stress_test $GPU $dir $(run_tag $env $seed $EXP)_5m $STRESS_EPS
-  [ "$FREEZE_TOO" = 1 ] && STRESS_FLAGS="${STRESS_FLAGS:---stress-envs 32768} --stress-freeze-sizes" \
-    stress_test $GPU $dir $(run_tag $env $seed $EXP)_5m_frozen $STRESS_EPS
+  [ "$UNFROZEN_TOO" = 1 ] && STRESS_FLAGS="${STRESS_FLAGS:---stress-envs 32768} --no-stress-freeze-sizes" \
+    stress_test $GPU $dir $(run_tag $env $seed $EXP)_5m_unfrozen $STRESS_EPS
 done
 echo "plan finished $(date)"
