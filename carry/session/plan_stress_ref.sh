@@ -13,10 +13,11 @@ EXP=${EXP:-ref} GPU=${GPU:-0} STRESS_EPS=${STRESS_EPS:-0.02}
 RUNS=${RUNS:-$(carried_runs $EXP 1)}
 mkdir -p logs results
 for run in $RUNS; do
-  env=${run%:*} seed=${run#*:}
+  IFS=: read env seed eps <<< "$run"
+  eps=${eps:-$STRESS_EPS}
   dir=$(ls -d carry/$env-v0__${EXP}__${seed}__*)
-  stress_test $GPU $dir $(run_tag $env $seed $EXP)_5m $STRESS_EPS
+  stress_test $GPU $dir $(run_tag $env $seed $EXP)_5m $eps
   [ "$UNFROZEN_TOO" = 1 ] && STRESS_FLAGS="${STRESS_FLAGS:---stress-envs 32768} --no-stress-freeze-sizes" \
-    stress_test $GPU $dir $(run_tag $env $seed $EXP)_5m_unfrozen $STRESS_EPS
+    stress_test $GPU $dir $(run_tag $env $seed $EXP)_5m_unfrozen $eps
 done
 echo "plan finished $(date)"
