@@ -23,10 +23,10 @@ on_each_gpu() {
 }
 # stress_test GPU DIR TAG EPS: the paper's Table 3, the wall clock of DIR's pretrained.pt (IRU-5 at 5M) and final.pt
 # (FlexLoop, 5M + 1M) at 32,768 envs ($STRESS_FLAGS) and FlexLoop's calibrated EPS, each split in a run of its own
-# (so that a failure cannot cost the other), into results/TAG_stress_<split>
+# (so that a failure cannot cost the other), into results/TAG_stress_<split>; STRESS_SPLITS picks the splits
 stress_test() {
   local gpu=$1 dir=$2 tag=$3 eps=$4 split
-  for split in train unseen; do
+  for split in ${STRESS_SPLITS:-train unseen}; do
     CUDA_VISIBLE_DEVICES=$gpu python3 eval_adaptive.py --checkpoints $dir/pretrained.pt $dir/final.pt \
       --labels IRU-5-5M FlexLoop-5M+1M --skip-eval ${STRESS_FLAGS:---stress-envs 32768} --stress-eps $eps \
       --stress-split $split $EVAL_FLAGS --exp-name ${tag}_stress_$split --out-dir results/${tag}_stress_$split \
