@@ -2,7 +2,12 @@
 # This session's plans, one ensure.sh line each. Put it before watch.sh or stop_all.sh in every call: on a warm
 # machine it starts nothing (ensure.sh runs a plan once per machine), and on a fresh one (the last went back
 # between calls) it starts the plans again from what carry/ holds, so no call only watches an empty machine.
-# The 30th and 31st sessions' lease is one H200: plan_one_gpu.sh runs Generalize-4-2's end (skipped once its
-# final.pt is carried), then the frozen-size wall clock of Exact-4 seeds 1-3, Exact-3 and Generalize-4-1 seed 2,
-# one after another.
-bash carry/session/ensure.sh plan_one_gpu
+# The next leases (one H200 each): Exact-3's second seed under the paper's protocol. The first lease starts it
+# (plan_start_ref); once its latest.pt and metrics.jsonl are in carry/BoxPick-Exact-3-v0__ref__2__<time>/, the
+# next ones resume it (plan_resume_ref), which evaluates and times it when it ends. A machine that has started the
+# run keeps it: carrying its latest.pt back mid-lease starts nothing more.
+if [ -f /root/started_plan_start_ref ] || ! ls carry/BoxPick-Exact-3-v0__ref__2__*/latest.pt > /dev/null 2>&1; then
+  RUNS=BoxPick-Exact-3:2 bash carry/session/ensure.sh plan_start_ref
+else
+  RUNS=BoxPick-Exact-3:2 SKIP_GPU_TESTS=1 bash carry/session/ensure.sh plan_resume_ref
+fi
