@@ -189,11 +189,11 @@ class PerformanceArgs:
     """use CUDA when it is available (see --require-cuda to make its absence an error)"""
     require_cuda: bool = False
     """fail instead of falling back to CPU when no GPU is present"""
-    compile: bool = True
-    """torch.compile the update and the collection's policy on GPU (the update about 2x faster there; ignored on
-    CPU, where it does not pay)"""
     cuda_graph: bool = True
-    """capture one update (sampling included) in a CUDA graph and replay it (GPU only)"""
+    """capture the update in a CUDA graph and replay it (GPU only; --no-cuda-graph runs it eagerly)"""
+    compile: bool = True
+    """torch.compile the update (the replay's sampling included) and the collection's policy on GPU (the update
+    about 2x faster there; ignored on CPU, where it does not pay)"""
     bf16: bool = True
     """on a GPU, run the update's network passes under bf16 autocast, every head in float32 (about 1.3x the TF32 update,
     and it learns as TF32 does: BENCHMARKS.md); --no-bf16 for TF32. Ignored on CPU, where the update stays float32"""
@@ -214,6 +214,10 @@ GPU_SIZED_FLAGS = ("num_envs", "batch_size", "updates_per_rollout", "hidden_dim"
 PRETRAINING_ONLY = dict(lambda_depth=0.0, num_epochs=0, init_checkpoint=None, teacher_checkpoint=None)  # iru_pretrain
 # flags added since some checkpoints were written: what runs before them did
 OLDER_CHECKPOINTS_RAN_WITH = {"alpha_loss": "batch-mean", "init": "pytorch", "bf16": False}
+ENV_IDS = tuple(envs.BOXPICK_IDS)  # what check_args accepts
+POSITIVE_FLAGS = ("num_envs", "batch_size", "updates_per_rollout", "intervals_per_epoch", "replay_episodes",
+                  "num_eval_envs", "eval_every", "log_every", "save_every", "hidden_dim", "num_critics",
+                  "episode_length")  # check_args refuses them at 0 or less
 
 
 def check_args(args: Args):
@@ -226,11 +230,9 @@ def check_args(args: Args):
         raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
     if args.backbone == "lstm" and args.iru_variant != "residual":
         raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
-    if args.env_id not in envs.BOXPICK_IDS:
-        raise ValueError(f"--env-id {args.env_id!r} is not a BoxPick env; choose one of {list(envs.BOXPICK_IDS)}")
-    for name in ["num_envs", "batch_size", "updates_per_rollout", "intervals_per_epoch", "replay_episodes",
-                 "num_eval_envs", "eval_every", "log_every", "save_every", "hidden_dim", "num_critics",
-                 "episode_length"]:
+    if args.env_id not in ENV_IDS:
+        raise ValueError(f"--env-id {args.env_id!r} is not an env of {ALGORITHM}; choose one of {list(ENV_IDS)}")
+    for name in POSITIVE_FLAGS:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.policy_temperature <= 0:
@@ -295,26 +297,26 @@ class EnsembleLayerNorm(nn.Module):
 
 
 class IRUNetwork(nn.Module):
-    """Q(s, g, a) read out after each of K recurrent steps of an IRU, for an ensemble of critics.
+    """Q(s, g, a) read out after each of K recurrent steps of an IRU (below), for an ensemble of critics:
+        x_emb  = LayerNorm(Linear(concat[obs, goal, onehot(a)]))
+        Q_k    = Head(h)                  after step k (paper variant: Head(c))
+    The state is a tuple of tensors shaped (critics, batch, actions, d): all 6 actions of a state go through
+    at once. The embedding's action part is a row of the weight, so Linear(concat[s, g, onehot(a)]) =
+    Linear_sg(concat[s, g]) + W_a[a], computed once per state. The policy pi_k = softmax(Q_k / tau):
+        logits = decide(state)            pi_k's logits, Q_k / tau
+        all_depths(obs, goal)             Q of every depth at once, (K, critics, batch, actions)
+        act(logits, generator)            actions from pi_k's logits, sampled as in training
+        policy_logits(obs, goal, k)       decide's logits after k steps, from the inputs (acting)
 
-        x_emb = LayerNorm(Linear(concat[obs, goal, onehot(a)]))
+    The IRU step k -> k + 1 and the rest of the depth protocol, the same in every script (eval_adaptive.py uses it):
         z     = LayerNorm(concat[x_emb, h])            (paper variant: concat[x_emb, tanh(c)])
         f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))      (forget-gate bias initialised to +1)
         c     = f * c + (1 - f) * i
         h     = h + tanh(c)                              (residual across steps)
-        Q_k   = Head(h)                                  (paper variant: Head(c))
-
-    Depth protocol (shared with the other scripts and eval_adaptive.py):
-        state = start(obs, goal)          depth 0, zero recurrent state
-        state = advance(state)            depth k -> k + 1
+        state = start(obs, goal)          depth 0: (x_emb, c = 0, h = 0)
+        state = advance(state)            the IRU step
         divergence(p_logits, q_logits)    KL(p || q) per row: the training loss and delta_k at inference
         gather(state, rows)               the recurrent state of some batch rows (adaptive inference)
-        logits = decide(state)            pi_k's logits, Q_k / tau
-        all_depths(obs, goal)             Q of every depth at once, (K, critics, batch, actions)
-        act(logits, generator)            actions from pi_k's logits, sampled as in training
-    The state is a tuple of tensors shaped (critics, batch, actions, d): all 6 actions of a state go through
-    at once. The embedding's action part is a row of the weight, so Linear(concat[s, g, onehot(a)]) =
-    Linear_sg(concat[s, g]) + W_a[a], computed once per state.
     """
 
     def __init__(self, depth=5, hidden_dim=256, num_critics=2, variant="residual", policy_temperature=0.25,
@@ -391,6 +393,14 @@ class IRUNetwork(nn.Module):
             state = self.advance(state)
         return self.q_values(state)  # (E, B, A)
 
+    def policy_logits(self, obs, goal, depth):
+        """decide's logits after `depth` steps, from the inputs: acting, the part torch.compile can fuse into few
+        kernels (act's sampling stays outside, since a draw from a named torch.Generator breaks a compiled graph)."""
+        state = self.start(obs, goal)
+        for _ in range(depth):
+            state = self.advance(state)
+        return self.decide(state)
+
     @staticmethod
     def divergence(p_logits, q_logits):
         """KL(p || q) between the categorical policies softmax(p_logits) and softmax(q_logits), per row."""
@@ -425,8 +435,8 @@ class LSTMNetwork(IRUNetwork):
         # variant "residual": the inherited q_values reads h, the LSTM's output
         super().__init__(depth, hidden_dim, num_critics, "residual", policy_temperature, init_alpha, obs_encoding,
                          num_actions)
-        del self.gate_norm  # a plain LSTM cell: no normalisation inside
         self.gates = EnsembleLinear(num_critics, 2 * hidden_dim, 4 * hidden_dim)  # input, forget, cell, output
+        del self.gate_norm  # a plain LSTM cell: no normalisation inside
         with torch.no_grad():
             self.gates.bias[..., hidden_dim:2 * hidden_dim] = 1.0
 
@@ -439,12 +449,11 @@ class LSTMNetwork(IRUNetwork):
 
 
 def build_network(args: Args, device):
-    if args.backbone == "lstm":
-        network = LSTMNetwork(args.depth, args.hidden_dim, args.num_critics, args.policy_temperature,
-                              args.init_alpha, args.obs_encoding)
-    else:
-        network = IRUNetwork(args.depth, args.hidden_dim, args.num_critics, args.iru_variant,
-                             args.policy_temperature, args.init_alpha, args.obs_encoding)
+    network_args = dict(depth=args.depth, hidden_dim=args.hidden_dim, num_critics=args.num_critics,
+                        policy_temperature=args.policy_temperature, init_alpha=args.init_alpha,
+                        obs_encoding=args.obs_encoding)
+    network = LSTMNetwork(**network_args) if args.backbone == "lstm" else \
+        IRUNetwork(variant=args.iru_variant, **network_args)
     return (init_like_flax(network) if args.init == "flax" else network).to(device)
 
 
@@ -562,11 +571,9 @@ def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weigh
     y = td_target(bootstrap_q, batch["reward"], args.gamma)
     with torch.set_grad_enabled(all_action_gradients and torch.is_grad_enabled()), autocast():
         q_per_depth = network.all_depths(obs, goal)  # (K, E, B, A)
-    if all_action_gradients:
-        q_taken = taken_action(q_per_depth, action)  # (K, E, B)
-    else:
-        with autocast():
-            q_taken = network.all_depths(obs, goal, action)[..., 0]
+    with autocast():  # Q at the taken actions, (K, E, B): read from all actions', or computed for them alone
+        q_taken = taken_action(q_per_depth, action) if all_action_gradients else \
+            network.all_depths(obs, goal, action)[..., 0]
     td = (td_weights * per_depth_td_loss(q_taken, y)).sum()
     logits_per_depth = q_per_depth.mean(1) / args.policy_temperature  # pi_k = softmax(mean_critics Q_k / tau)
     depth_kl = flexloop_depth_loss(logits_per_depth, args.depth_target)
@@ -579,10 +586,8 @@ def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weigh
     q_full = q_per_depth[-1].mean(0).detach()
     log_policy = F.log_softmax(q_full / network.log_alpha.exp(), -1)
     entropy = -(log_policy.exp() * log_policy).sum(-1)  # (B,)
-    if args.alpha_loss == "per-state":
-        alpha = ((entropy + args.target_entropy) ** 2).mean()
-    else:
-        alpha = (entropy.mean() + args.target_entropy) ** 2
+    alpha = ((entropy + args.target_entropy) ** 2).mean() if args.alpha_loss == "per-state" else \
+        (entropy.mean() + args.target_entropy) ** 2  # batch-mean
     loss = td + lambda_depth * depth_kl + args.bellman_weight * bellman + alpha
     return loss, dict(zip(LOSS_NAMES, (td, depth_kl, alpha, entropy.mean(), bellman)))
 
@@ -615,14 +620,12 @@ def make_update(args, network, target_network, optimizer, replay, generator, lam
 # ALGO LOGIC: data
 # ---------------------------------------------------------------------------------------------------------
 class TrajectoryReplay:
-    """Episodes stored per env as int8 grids: observations (envs, episodes, L + 1, 36) and actions.
-
-    A batch takes batch_size distinct envs and one transition (episode, t) from each. Goals are relabelled:
-    a future_goal_fraction of rows take the state at t + j of the same episode, j >= 1 with probability
-    proportional to future_discount^j (truncated at the episode's end, and with future_goal_window > 1 also at
-    the end of a window of that many stored steps, as the reference's replay reads them); the rest take another
-    row's current state. Rewards are recomputed against the new goal with the env's own rule.
-    """
+    """Episodes stored per env as int8 grids: observations (envs, episodes, L + 1, 36) and actions. A batch
+    takes batch_size distinct envs and one transition (episode, t) from each. Goals are relabelled: a
+    future_goal_fraction of rows take the state at t + j of the same episode, j >= 1 with probability proportional
+    to future_discount^j (truncated at the episode's end, and with future_goal_window > 1 also at the end of a
+    window of that many stored steps, as the reference's replay reads them); the rest take another row's current
+    state. Rewards are recomputed against the new goal with the env's own rule."""
 
     def __init__(self, num_envs, episodes, episode_length, device, future_goal_fraction=0.5, future_discount=0.99,
                  future_goal_window=0):
@@ -687,25 +690,12 @@ def make_envs(args, device):
     return env, eval_envs
 
 
-def policy_logits(network, obs, goal, depth):
-    """pi_k's logits at `depth`: the part of acting that torch.compile can fuse into few kernels (the sampling
-    stays outside, since a draw from a named torch.Generator breaks a compiled graph)."""
-    state = network.start(obs, goal)
-    for _ in range(depth):
-        state = network.advance(state)
-    return network.decide(state)
-
-
 @torch.no_grad()
-def act_at_depth(network, obs, goal, depth, generator, logits_fn=policy_logits):
-    return network.act(logits_fn(network, obs, goal, depth), generator)
-
-
-@torch.no_grad()
-def run_episode(network, env, depth, generator, logits_fn=policy_logits):
+def run_episode(network, env, depth, generator, policy_logits=None):
     """One episode in every env from a fresh reset, acting at `depth`. Returns the trajectories and the
-    end-of-episode statistics as device tensors (no host sync). `logits_fn` is policy_logits or, in training on a
-    GPU, its compiled form."""
+    end-of-episode statistics as device tensors (no host sync). `policy_logits` is network.policy_logits (the
+    default) or, in training on a GPU, its compiled form."""
+    policy_logits = policy_logits or network.policy_logits
     obs, _ = env.reset()
     observations, actions = [obs["observation"]], []
     alive = torch.ones(env.num_envs, dtype=torch.bool, device=env.device)
@@ -713,7 +703,7 @@ def run_episode(network, env, depth, generator, logits_fn=policy_logits):
     success = torch.zeros(env.num_envs, device=env.device)
     boxes = torch.zeros(env.num_envs, device=env.device)
     for _ in range(env.episode_length):
-        action = act_at_depth(network, obs["observation"], obs["desired_goal"], depth, generator, logits_fn)
+        action = network.act(policy_logits(obs["observation"], obs["desired_goal"], depth), generator)
         obs, reward, terminated, truncated, info = env.step(action)
         observations.append(info["final_obs"]["observation"])
         actions.append(action.to(torch.int8))
@@ -1359,7 +1349,7 @@ def train(args: Args):
               updates_per_iteration=args.updates_per_rollout, progress="updates")
     # One training episode in every env at full depth, replayed from a CUDA graph on a GPU, the policy compiled.
     collect = run.graphed(run_episode, [generators["actions"], env.generator], network, env, args.depth,
-                          generators["actions"], run.compiled(policy_logits))
+                          generators["actions"], run.compiled(network.policy_logits))
     updates_by_phase = {}  # one update per phase: a phase with lambda = 0 needs no gradient at untaken actions
 
     with run:

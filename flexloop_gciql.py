@@ -164,10 +164,10 @@ class PerformanceArgs:
     """use CUDA when it is available (see --require-cuda to make its absence an error)"""
     require_cuda: bool = False
     """fail instead of falling back to CPU when no GPU is present"""
+    cuda_graph: bool = True
+    """capture the update in a CUDA graph and replay it (GPU only; --no-cuda-graph runs it eagerly)"""
     compile: bool = True
     """torch.compile the losses on GPU (ignored on CPU, where it does not pay)"""
-    cuda_graph: bool = True
-    """capture one update (sampling included) in a CUDA graph and replay it (GPU only)"""
     bf16: bool = False
     """run the update's network passes under bf16 autocast, every head in float32 (faster on a GPU; not yet shown
     to learn as well, so off by default)"""
@@ -211,6 +211,9 @@ CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in 
 GPU_SIZED_FLAGS = ("batch_size", "hidden_dim", "pretrain_steps", "total_steps")  # their defaults need a GPU
 PRETRAINING_ONLY = dict(lambda_depth=0.0, total_steps=0, init_checkpoint=None)  # what iru_pretrain.py fixes
 OLDER_CHECKPOINTS_RAN_WITH = {}  # flags added since a checkpoint was written: what runs before them did
+ENV_IDS = tuple(DATASET_HYPERPARAMETERS)  # what check_args accepts
+POSITIVE_FLAGS = ("batch_size", "hidden_dim", "num_critics", "eval_every", "eval_envs", "log_every",
+                  "save_every")  # check_args refuses them at 0 or less
 
 
 def check_args(args: Args):
@@ -223,10 +226,9 @@ def check_args(args: Args):
         raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
     if args.backbone == "lstm" and args.iru_variant != "residual":
         raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
-    if args.env_name not in DATASET_HYPERPARAMETERS:
-        raise ValueError(f"--env-name {args.env_name!r} is not one of the five datasets; choose one of "
-                         f"{list(DATASET_HYPERPARAMETERS)}")
-    for name in ["batch_size", "hidden_dim", "num_critics", "eval_every", "eval_envs", "log_every", "save_every"]:
+    if args.env_name not in ENV_IDS:
+        raise ValueError(f"--env-name {args.env_name!r} is not a dataset of {ALGORITHM}; choose one of {list(ENV_IDS)}")
+    for name in POSITIVE_FLAGS:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.alpha is not None and args.alpha < 0:
@@ -345,8 +347,8 @@ class LSTM(IRU):
     def __init__(self, in_dim, out_dim, depth=5, hidden_dim=256, members=1):
         # variant "residual": the inherited readout is h, the LSTM's output
         super().__init__(in_dim, out_dim, depth, hidden_dim, "residual", members)
-        del self.gate_norm  # a plain LSTM cell: no normalisation inside
         self.gates = EnsembleLinear(members, 2 * hidden_dim, 4 * hidden_dim)  # input, forget, cell, output
+        del self.gate_norm  # a plain LSTM cell: no normalisation inside
         with torch.no_grad():
             self.gates.bias[..., hidden_dim:2 * hidden_dim] = 1.0
 

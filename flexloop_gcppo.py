@@ -194,11 +194,11 @@ class PerformanceArgs:
     """use CUDA when it is available (see --require-cuda to make its absence an error)"""
     require_cuda: bool = False
     """fail instead of falling back to CPU when no GPU is present"""
-    compile: bool = True
-    """torch.compile the minibatch update on GPU (ignored on CPU, where it does not pay)"""
     cuda_graph: bool = True
-    """capture the minibatch update in a CUDA graph and replay it (GPU only; with --compile 4x the eager loop on an
-    H100, BENCHMARKS.md). --no-compile --no-cuda-graph run it eagerly, as the README's LightsOut runs did"""
+    """capture the update in a CUDA graph and replay it (GPU only; --no-cuda-graph runs it eagerly)"""
+    compile: bool = True
+    """torch.compile the minibatch update on GPU (ignored on CPU, where it does not pay). With --cuda-graph, 4x the
+    eager loop on an H100 (BENCHMARKS.md); the README's LightsOut runs ran eagerly: --no-compile --no-cuda-graph"""
 
 
 @dataclass
@@ -215,6 +215,10 @@ CHECKPOINT_PARTS = ("model", "teacher_model", "optimizer")  # the state dicts in
 GPU_SIZED_FLAGS = ("num_envs", "num_steps", "pretrain_timesteps", "total_timesteps")  # their defaults need a GPU
 PRETRAINING_ONLY = dict(lambda_depth=0.0, total_timesteps=0, init_checkpoint=None)  # what iru_pretrain.py fixes
 OLDER_CHECKPOINTS_RAN_WITH = {}  # flags added since a checkpoint was written: what runs before them did
+ENV_IDS = (envs.LIGHTSOUT_ID,)  # what check_args accepts
+POSITIVE_FLAGS = ("num_envs", "num_steps", "num_minibatches", "update_epochs", "hidden_dim", "num_eval_envs",
+                  "eval_every", "log_every", "save_every", "max_episode_steps", "learning_rate", "clip_coef",
+                  "adam_eps")  # check_args refuses them at 0 or less
 
 
 def check_args(args: Args):
@@ -227,11 +231,9 @@ def check_args(args: Args):
         raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
     if args.backbone == "lstm" and args.iru_variant != "residual":
         raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
-    if args.env_id != envs.LIGHTSOUT_ID:
-        raise ValueError(f"--env-id {args.env_id!r} is not supported; GC-PPO runs on {envs.LIGHTSOUT_ID}")
-    for name in ["num_envs", "num_steps", "num_minibatches", "update_epochs", "hidden_dim", "num_eval_envs",
-                 "eval_every", "log_every", "save_every", "max_episode_steps", "learning_rate", "clip_coef",
-                 "adam_eps"]:
+    if args.env_id not in ENV_IDS:
+        raise ValueError(f"--env-id {args.env_id!r} is not an env of {ALGORITHM}; choose one of {list(ENV_IDS)}")
+    for name in POSITIVE_FLAGS:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     low, high = SPLITS["train"]
@@ -265,26 +267,26 @@ def check_args(args: Args):
 # ALGO LOGIC: network
 # ---------------------------------------------------------------------------------------------------------
 class IRUNetwork(nn.Module):
-    """pi_k(a | s, g) and V_k(s, g) read out after each of K recurrent steps of one shared IRU.
+    """pi_k(a | s, g) and V_k(s, g) read out after each of K recurrent steps of one shared IRU (below):
+        x      = clip((concat[obs, goal] - running mean) / running std)     (40 inputs)
+        x_emb  = LayerNorm(Linear(x))
+        logits_k = Actor(h),  V_k = Value(h)   after step k (paper variant: read c)
+    The state is a tuple of tensors shaped (batch, d). The running mean and variance of the inputs are buffers,
+    so checkpoints and evaluation carry them. The policy pi_k = softmax(logits_k):
+        logits = decide(state)            pi_k's logits (20)
+        all_depths(obs, goal)             logits (K, B, 20) and values (K, B) of every depth at once
+        act(logits, generator, deterministic=False)   a sample of pi_k, or its mode (evaluation)
+        policy_logits(obs, goal, k)       decide's logits after k steps, from the inputs (acting)
 
-        x     = clip((concat[obs, goal] - running mean) / running std)     (40 inputs)
-        x_emb = LayerNorm(Linear(x))
+    The IRU step k -> k + 1 and the rest of the depth protocol, the same in every script (eval_adaptive.py uses it):
         z     = LayerNorm(concat[x_emb, h])            (paper variant: concat[x_emb, tanh(c)])
         f     = sigmoid(Linear_forget(z)),  i = tanh(Linear_input(z))      (forget-gate bias initialised to +1)
         c     = f * c + (1 - f) * i
         h     = h + tanh(c)                              (residual across steps)
-        logits_k = Actor(h),  V_k = Value(h)             (paper variant: read c)
-
-    Depth protocol (shared with the other scripts and eval_adaptive.py):
-        state = start(obs, goal)          depth 0, zero recurrent state
-        state = advance(state)            depth k -> k + 1
+        state = start(obs, goal)          depth 0: (x_emb, c = 0, h = 0)
+        state = advance(state)            the IRU step
         divergence(p_logits, q_logits)    KL(p || q) per row: the training loss and delta_k at inference
         gather(state, rows)               the recurrent state of some batch rows (adaptive inference)
-        logits = decide(state)            pi_k's logits (20)
-        all_depths(obs, goal)             logits (K, B, 20) and values (K, B) of every depth at once
-        act(logits, generator, deterministic=False)   a sample of pi_k, or its mode (evaluation)
-    The state is a tuple of tensors shaped (batch, d). The running mean and variance of the inputs are buffers,
-    so checkpoints and evaluation carry them.
     """
 
     def __init__(self, depth=5, hidden_dim=64, variant="residual", obs_clip=10.0, input_dim=2 * NUM_LIGHTS,
@@ -367,6 +369,14 @@ class IRUNetwork(nn.Module):
             state = self.advance(state)
         return self.decide(state), self.value(state)  # logits (B, A), values (B,)
 
+    def policy_logits(self, obs, goal, depth):
+        """decide's logits after `depth` steps, from the inputs: acting, the part torch.compile can fuse into few
+        kernels (act's sampling stays outside, since a draw from a named torch.Generator breaks a compiled graph)."""
+        state = self.start(obs, goal)
+        for _ in range(depth):
+            state = self.advance(state)
+        return self.decide(state)
+
     @staticmethod
     def divergence(p_logits, q_logits):
         """KL(p || q) between the categorical policies softmax(p_logits) and softmax(q_logits), per row."""
@@ -399,8 +409,8 @@ class LSTMNetwork(IRUNetwork):
     def __init__(self, depth=5, hidden_dim=64, obs_clip=10.0, input_dim=2 * NUM_LIGHTS, num_actions=NUM_LIGHTS):
         # variant "residual": the inherited readout is h, the LSTM's output
         super().__init__(depth, hidden_dim, "residual", obs_clip, input_dim, num_actions)
-        del self.gate_norm  # a plain LSTM cell: no normalisation inside
         self.gates = nn.Linear(2 * hidden_dim, 4 * hidden_dim)  # input, forget, cell, output
+        del self.gate_norm  # a plain LSTM cell: no normalisation inside
         with torch.no_grad():
             self.gates.bias[..., hidden_dim:2 * hidden_dim] = 1.0
 
@@ -413,10 +423,9 @@ class LSTMNetwork(IRUNetwork):
 
 
 def build_network(args: Args, device):
-    if args.backbone == "lstm":
-        network = LSTMNetwork(args.depth, args.hidden_dim, args.obs_clip)
-    else:
-        network = IRUNetwork(args.depth, args.hidden_dim, args.iru_variant, args.obs_clip)
+    network_args = dict(depth=args.depth, hidden_dim=args.hidden_dim, obs_clip=args.obs_clip)
+    network = LSTMNetwork(**network_args) if args.backbone == "lstm" else \
+        IRUNetwork(variant=args.iru_variant, **network_args)
     return (init_like_flax(network) if args.init == "flax" else network).to(device)
 
 
@@ -640,18 +649,16 @@ def rollout_metrics(buffers, episode_sums):
 @torch.no_grad()
 def evaluate(network, eval_envs, seed):
     """Deterministic (argmax) success at every depth 1..K on each split: one episode per env, on the same
-    tasks at every depth (the env is reseeded), as device tensors."""
+    tasks at every depth (the env is reseeded; the splits draw different tasks), as device tensors."""
     results = {}
-    for i, (split, env) in enumerate(eval_envs.items()):
+    for split, env in eval_envs.items():
         for depth in range(1, network.depth + 1):
-            obs, _ = env.reset(seed=seed + i)
+            obs, _ = env.reset(seed=seed)
             alive = torch.ones(env.num_envs, dtype=torch.bool, device=env.device)
             success = torch.zeros(env.num_envs, dtype=torch.bool, device=env.device)
             for _ in range(env.max_steps):
-                state = network.start(obs["observation"], obs["desired_goal"])
-                for _ in range(depth):
-                    state = network.advance(state)
-                obs, _, terminated, truncated, _ = env.step(network.act(network.decide(state), deterministic=True))
+                logits = network.policy_logits(obs["observation"], obs["desired_goal"], depth)
+                obs, _, terminated, truncated, _ = env.step(network.act(logits, deterministic=True))
                 success |= alive & terminated
                 alive &= ~(terminated | truncated)
             results[f"eval/{split}/success_depth_{depth}"] = success.float().mean()

@@ -53,7 +53,7 @@ def measure_collection(args, device, episodes, mode):
     the policy compiled first (compile-graph, what the script does on a GPU)."""
     env, network, _, _, replay = setup(args, device)
     generator = torch.Generator(device).manual_seed(0)
-    logits_fn = torch.compile(gcdqn.policy_logits) if mode == "compile-graph" else gcdqn.policy_logits
+    logits_fn = torch.compile(network.policy_logits) if mode == "compile-graph" else network.policy_logits
 
     def collect():
         return gcdqn.run_episode(network, env, args.depth, generator, logits_fn)

@@ -88,15 +88,14 @@ def test_depth_protocol_matches_all_depths():
 
 @pytest.mark.parametrize("overrides", [{}, {"backbone": "lstm"}, {"obs_encoding": "onehot"}, {"iru_variant": "paper"}])
 def test_the_acting_policy_traces_as_one_compiled_graph(overrides):
-    """Training compiles policy_logits for collection on a GPU. fullgraph=True fails on any graph break (a host
+    """Training compiles network.policy_logits for collection on a GPU. fullgraph=True fails on any graph break (a host
     sync, a data-dependent branch), which would split the compiled step into pieces and recompile them."""
     args = dataclasses.replace(gcdqn.Args(), depth=3, hidden_dim=16, **overrides)
     network = gcdqn.build_network(args, torch.device("cpu"))
     obs, goal = torch.randint(0, 12, (5, 36)), torch.randint(0, 12, (5, 36))
-    compiled = torch.compile(gcdqn.policy_logits, fullgraph=True, backend="eager")  # traced, not code-generated
+    compiled = torch.compile(network.policy_logits, fullgraph=True, backend="eager")  # traced, not code-generated
     with torch.no_grad():
-        torch.testing.assert_close(compiled(network, obs, goal, 3), gcdqn.policy_logits(network, obs, goal, 3),
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(compiled(obs, goal, 3), network.policy_logits(obs, goal, 3), rtol=0, atol=0)
 
 
 # ----- the FlexLoop KL -----
@@ -411,7 +410,9 @@ def easy_task_success(network, num_envs=2048, steps=10, seed=0):
     grid[torch.arange(num_envs), cells + 1] = TARGET
     obs, _ = env.reset(options={"grid": grid})
     for _ in range(steps):
-        action = gcdqn.act_at_depth(network, obs["observation"], obs["desired_goal"], network.depth, generator)
+        with torch.no_grad():
+            action = network.act(network.policy_logits(obs["observation"], obs["desired_goal"], network.depth),
+                                 generator)
         obs, _, _, _, info = env.step(action)
     return info["episode_success"].mean().item()
 
@@ -464,16 +465,16 @@ def test_captured_update_draws_a_fresh_batch_at_every_replay(compiled, all_actio
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_compiled_collection_acts_as_the_eager_one_does(exact_float32_matmuls):
-    """train() collects with policy_logits compiled by inductor. From the same env and generator states it must
+    """train() collects with network.policy_logits compiled by inductor. From the same env and generator states it must
     act as the eager policy does: every env's 100 actions the same, but for the rare near-tie that a float
     rounding flips (that env's episode then goes its own way). Captured in a CUDA graph, each replay collects a
     new episode."""
     args = dataclasses.replace(gcdqn.Args(), num_envs=256, hidden_dim=64)
     device = torch.device("cuda")
     network = gcdqn.build_network(args, device)
-    compiled_logits = torch.compile(gcdqn.policy_logits)
+    compiled_logits = torch.compile(network.policy_logits)
     actions = {}
-    for name, logits_fn in [("eager", gcdqn.policy_logits), ("compiled", compiled_logits)]:
+    for name, logits_fn in [("eager", network.policy_logits), ("compiled", compiled_logits)]:
         env = BoxPickVecEnv(args.num_envs, variant="Exact-4", device=device, seed=0, check_actions=False)
         generator = torch.Generator(device).manual_seed(0)
         actions[name] = gcdqn.run_episode(network, env, args.depth, generator, logits_fn)[1]

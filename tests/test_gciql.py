@@ -425,7 +425,7 @@ def test_missing_dataset_fails_before_any_work(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (dict(depth=1), "--depth must be at least 2"),
     (dict(lambda_depth=-0.1), "--lambda-depth must be >= 0"),
-    (dict(env_name="cube-single-play-v0"), "one of the five datasets"),
+    (dict(env_name="cube-single-play-v0"), "is not a dataset of gciql; choose one of"),
     (dict(expectile=1.0), "--expectile"),
     (dict(batch_size=0), "--batch-size must be positive"),
     (dict(resume="a.pt", init_checkpoint="b.pt"), "not both"),

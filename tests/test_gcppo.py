@@ -561,7 +561,7 @@ def test_captured_update_trains_as_the_eager_update_does(compiled, exact_float32
     (dict(pretrain_timesteps=0), "needs a pretrained IRU-K"),
     (dict(pretrain_timesteps=0, total_timesteps=0), "nothing to train"),
     (dict(train_max_presses=10), "--train-max-presses"),
-    (dict(env_id="BoxPick-Exact-4-v0"), "GC-PPO runs on LightsOut-4x5-v0"),
+    (dict(env_id="BoxPick-Exact-4-v0"), r"not an env of gcppo; choose one of \['LightsOut-4x5-v0'\]"),
     (dict(init_checkpoint="a.pt", resume="b.pt"), "not both"),
     (dict(minibatch_layout="time-rows", num_minibatches=16), "time-rows needs --num-minibatches 16 to divide"),
     (dict(hard_reset_every=-1), "--hard-reset-every must be 0"),

@@ -260,7 +260,7 @@ class CallsPrint:
 def test_errors_raised_on_purpose_are_one_line_and_debug_shows_the_traceback(tmp_path):
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")
     torch.save({"format": gcdqn.CHECKPOINT_FORMAT, "model": {"w": CallsPrint()}}, tmp_path / "hostile.pt")
-    cases = [(["flexloop_gcdqn.py", "--env-id", "Nope-v0"], "--env-id 'Nope-v0' is not a BoxPick env"),
+    cases = [(["flexloop_gcdqn.py", "--env-id", "Nope-v0"], "--env-id 'Nope-v0' is not an env of gcdqn"),
              (["flexloop_gcppo.py", "--depth", "1"], "--depth must be at least 2"),
              (["flexloop_gcdqn.py", "--resume", tmp_path / "notes.txt"], "is a text file, not a FlexLoop checkpoint"),
              (["flexloop_gcdqn.py", "--init-checkpoint", tmp_path / "hostile.pt", "--no-cuda"],
