@@ -177,7 +177,8 @@ class FlexLoopArgs:
 class EvaluationArgs:
     """evaluation"""
     num_eval_envs: int = 1024
-    """envs per split for evaluation (one episode each, actions sampled as in training)"""
+    """envs per split for evaluation (one episode each, actions sampled as in training; the same tasks at every
+    depth)"""
     eval_every: int = 100
     """evaluate every depth on both splits every this many iterations (and at the end of each phase)"""
 
@@ -274,6 +275,7 @@ class EnsembleLinear(nn.Module):
 
     def __init__(self, num_members, in_features, out_features):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # as nn.Linear's
         bound = 1 / math.sqrt(in_features)  # nn.Linear's default init
         self.weight = nn.Parameter(torch.empty(num_members, in_features, out_features).uniform_(-bound, bound))
         self.bias = nn.Parameter(torch.empty(num_members, 1, out_features).uniform_(-bound, bound))
@@ -470,8 +472,8 @@ def init_like_flax(network):
     1 / fan_in truncated at 2 standard deviations), every bias 0; then the forget-gate bias +1 again."""
     with torch.no_grad():
         for layer in network.modules():
-            if isinstance(layer, EnsembleLinear):
-                std = (1 / layer.weight.shape[1]) ** 0.5 / 0.87962566103423978  # flax's truncation correction
+            if hasattr(layer, "in_features"):  # a Linear layer: its kernel and bias
+                std = (1 / layer.in_features) ** 0.5 / 0.87962566103423978  # flax's truncation correction
                 nn.init.trunc_normal_(layer.weight, std=std, a=-2 * std, b=2 * std)
                 nn.init.zeros_(layer.bias)
         forget = slice(network.hidden_dim, 2 * network.hidden_dim) if isinstance(network, LSTMNetwork) \
@@ -725,11 +727,15 @@ def cells_changed(observations, lengths):
 
 
 @torch.no_grad()
-def evaluate(network, eval_envs, generator):
-    """Success and boxes on target at every depth 1..K on each split, as device tensors."""
+def evaluate(network, eval_envs, seed):
+    """Success and boxes on target at every depth 1..K on each split: one episode per env, actions sampled as in
+    training, on the same tasks and with the same sampling noise at every depth (the env and the sampler are
+    reseeded; the splits draw different tasks), as device tensors."""
     results = {}
     for split, env in eval_envs.items():
         for depth in range(1, network.depth + 1):
+            env.generator.manual_seed(seed)
+            generator = torch.Generator(env.device).manual_seed(seed)
             _, _, _, success, boxes = run_episode(network, env, depth, generator)
             results[f"eval/{split}/success_depth_{depth}"] = success.mean()
             results[f"eval/{split}/boxes_on_target_depth_{depth}"] = boxes.mean()
@@ -1326,10 +1332,8 @@ def train(args: Args):
         network.load_state_dict(run.init["model"])
     lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
     loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
-    generators = {"actions": torch.Generator(device).manual_seed(args.seed),
-                  "replay": torch.Generator(device).manual_seed(args.seed + 1),
-                  "eval": torch.Generator(device).manual_seed(args.seed + 2),
-                  "env": env.generator, **{f"env_{s}": e.generator for s, e in eval_envs.items()}}
+    generators = {"actions": torch.Generator(device).manual_seed(args.seed), "env": env.generator,
+                  "replay": torch.Generator(device).manual_seed(args.seed + 1)}
     target_network = copy.deepcopy(network).requires_grad_(False)
     teacher = load_teacher(args, device) if args.teacher_checkpoint else None  # FlexLoop from scratch
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=device.type == "cuda")
@@ -1374,7 +1378,7 @@ def train(args: Args):
                          "charts/train_success": success.mean(),
                          "charts/cells_changed": cells_changed(observations, lengths).float().mean()})
             if run.evaluate_due():
-                run.evaluate(evaluate, network, eval_envs, generators["eval"])
+                run.evaluate(evaluate, network, eval_envs, args.seed + 1000)
             run.save_due()
         return run.finish()
 

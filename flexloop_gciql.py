@@ -253,6 +253,7 @@ class EnsembleLinear(nn.Module):
 
     def __init__(self, num_members, in_features, out_features):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features  # as nn.Linear's
         bound = 1 / math.sqrt(in_features)  # nn.Linear's default init
         self.weight = nn.Parameter(torch.empty(num_members, in_features, out_features).uniform_(-bound, bound))
         self.bias = nn.Parameter(torch.empty(num_members, 1, out_features).uniform_(-bound, bound))

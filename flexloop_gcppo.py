@@ -442,7 +442,7 @@ def init_like_flax(network):
     1 / fan_in truncated at 2 standard deviations), every bias 0; then the forget-gate bias +1 again."""
     with torch.no_grad():
         for layer in network.modules():
-            if isinstance(layer, nn.Linear):
+            if hasattr(layer, "in_features"):  # a Linear layer: its kernel and bias
                 std = (1 / layer.in_features) ** 0.5 / 0.87962566103423978  # flax's truncation correction
                 nn.init.trunc_normal_(layer.weight, std=std, a=-2 * std, b=2 * std)
                 nn.init.zeros_(layer.bias)
@@ -1255,9 +1255,8 @@ def train(args: Args):
         network.load_state_dict(run.init["model"])
     lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
     loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
-    generators = {"actions": torch.Generator(device).manual_seed(args.seed),
-                  "minibatch": torch.Generator(device).manual_seed(args.seed + 1),
-                  "env": env.generator}
+    generators = {"actions": torch.Generator(device).manual_seed(args.seed), "env": env.generator,
+                  "minibatch": torch.Generator(device).manual_seed(args.seed + 1)}
     # The teacher of the FlexLoop phase's value targets: the --init-checkpoint model, else made at the switch.
     has_teacher = run.init is not None or (run.checkpoint or {}).get("teacher_model") is not None
     teacher = frozen_copy(network) if has_teacher else None  # a resumed run's is loaded into it

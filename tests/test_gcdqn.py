@@ -239,6 +239,33 @@ def test_the_future_goal_window_must_be_off_or_at_least_2(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_evaluation_plays_the_same_tasks_at_every_depth_and_every_call(monkeypatch):
+    """Training's evaluation reseeds each split's env and sampler before every depth: the depths are compared on
+    the same episodes' starts, and one evaluation on the next (the splits draw different tasks)."""
+    args = dataclasses.replace(gcdqn.Args(), depth=3, hidden_dim=16, num_envs=8, num_eval_envs=16, episode_length=5)
+    network = gcdqn.build_network(args, torch.device("cpu"))
+    _, eval_envs = gcdqn.make_envs(args, torch.device("cpu"))
+    starts, run_episode = [], gcdqn.run_episode
+
+    def recording_run_episode(*call_args, **call_kwargs):
+        episode = run_episode(*call_args, **call_kwargs)
+        starts.append(episode[0][:, 0])  # each env's first observation
+        return episode
+
+    monkeypatch.setattr(gcdqn, "run_episode", recording_run_episode)
+    first = gcdqn.evaluate(network, eval_envs, seed=7)
+    second = gcdqn.evaluate(network, eval_envs, seed=7)
+    assert len(starts) == 2 * 2 * args.depth  # two calls x two splits x K depths
+    for call in range(2):
+        for split in range(2):
+            for depth in range(args.depth):
+                assert torch.equal(starts[(call * 2 + split) * args.depth + depth], starts[split * args.depth])
+    assert not torch.equal(starts[0], starts[args.depth])  # train and unseen tasks
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    gcdqn.evaluate(network, eval_envs, seed=8)
+    assert not torch.equal(starts[-1], starts[args.depth])  # another seed, other tasks
+
+
 def test_goal_reached_ignores_the_agent():
     grid = torch.zeros(36, dtype=torch.int8)
     grid[0], grid[5] = BOX, AGENT
