@@ -285,6 +285,7 @@ class IRUNetwork(nn.Module):
         h     = h + tanh(c)                              (residual across steps)
         state = start(obs, goal)          depth 0: (x_emb, c = 0, h = 0)
         state = advance(state)            the IRU step
+        state = state_after(obs, goal, k) start, then k steps
         divergence(p_logits, q_logits)    KL(p || q) per row: the training loss and delta_k at inference
         gather(state, rows)               the recurrent state of some batch rows (adaptive inference)
     """
@@ -362,20 +363,22 @@ class IRUNetwork(nn.Module):
             values.append(self.value(state))
         return torch.stack(logits), torch.stack(values)  # (K, B, A), (K, B)
 
+    def state_after(self, obs, goal, depth):
+        """The recurrent state after `depth` steps, without reading the heads on the way."""
+        state = self.start(obs, goal)
+        for _ in range(depth):
+            state = self.advance(state)
+        return state
+
     def full_depth(self, obs, goal):
         """The heads at depth K alone, without the shallower ones."""
-        state = self.start(obs, goal)
-        for _ in range(self.depth):
-            state = self.advance(state)
+        state = self.state_after(obs, goal, self.depth)
         return self.decide(state), self.value(state)  # logits (B, A), values (B,)
 
     def policy_logits(self, obs, goal, depth):
         """decide's logits after `depth` steps, from the inputs: acting, the part torch.compile can fuse into few
         kernels (act's sampling stays outside, since a draw from a named torch.Generator breaks a compiled graph)."""
-        state = self.start(obs, goal)
-        for _ in range(depth):
-            state = self.advance(state)
-        return self.decide(state)
+        return self.decide(self.state_after(obs, goal, depth))
 
     @staticmethod
     def divergence(p_logits, q_logits):
