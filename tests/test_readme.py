@@ -1,5 +1,6 @@
 """README.md as a new user reads it: the env snippet runs as written on a CPU, every registered env id is listed,
-CI runs the README's set-up commands, and the package metadata exposes what those commands promise."""
+CI runs the README's set-up commands, the package metadata exposes what those commands promise, every checkpoint
+and page it names is in the repository, and it speaks only of the software."""
 
 import re
 from pathlib import Path
@@ -57,10 +58,29 @@ def test_pyproject_installs_the_envs_package_and_every_script():
 
 
 def test_every_checkpoint_the_readme_names_is_in_the_repository():
-    """The README's commands (the CPU evaluation among them) name committed checkpoints under carry/: a renamed
-    or dropped folder would break them. Paths with a placeholder (S, <time>, *) stand for several runs."""
-    named = set(re.findall(r"carry/[\w.\-/]+\.pt", README))
+    """The README's commands (the CPU evaluations among them) name committed checkpoints under checkpoints/: a
+    renamed or dropped folder would break them. Paths with a placeholder (S, <time>, *) stand for several runs."""
+    named = set(re.findall(r"checkpoints/[\w.\-/]+\.pt", README))
     concrete = {path for path in named if "__S__" not in path}
-    assert "carry/BoxPick-Generalize-4-1-v0__cont280k-lambda1__1__1795737978/final.pt" in concrete
+    assert {"checkpoints/BoxPick-Generalize-4-1-v0__cont280k-lambda0__1__1795738217/final.pt",
+            "checkpoints/BoxPick-Generalize-4-1-v0__cont280k-lambda1__1__1795737978/final.pt",
+            "checkpoints/BoxPick-Generalize-4-1-v0__gen-flax__1__1795708977/pretrained.pt",
+            "checkpoints/BoxPick-Generalize-4-1-v0__gen-flax__1__1795708977/final.pt"} <= concrete
     missing = sorted(path for path in concrete if not (REPO / path).is_file())
     assert not missing, f"README names checkpoints that are not in the repository: {missing}"
+    assert "carry/" not in README
+
+
+def test_every_page_the_readme_links_is_in_the_repository():
+    links = set(re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README))
+    local = {link for link in links if "://" not in link}
+    assert "docs/results/boxpick.md" in local and "checkpoints/README.md" in local
+    missing = sorted(link for link in local if not (REPO / link).exists())
+    assert not missing, f"README links to files that are not in the repository: {missing}"
+
+
+def test_readme_is_short_and_depends_on_nothing_outside_the_repository():
+    assert len(README.splitlines()) <= 300
+    assert "../shared" not in README and "REFERENCE.md" not in README
+    # the README speaks of the software, not of how the work on it was organised
+    assert not re.search(r"session|lease|lent ", README, flags=re.I)
