@@ -1,6 +1,6 @@
 """How often the stress test's compact mode meets bucket sizes it has not captured yet, replayed eagerly (CPU is fine).
 
-    python bench/bucket_sizes.py --checkpoint carry/BoxPick-Generalize-4-1-v0__gen-flax__1__*/final.pt --split train
+    python bench/bucket_sizes.py --checkpoint checkpoints/BoxPick-Generalize-4-1-v0__gen-flax__1__*/final.pt --split train
     python bench/bucket_sizes.py --checkpoint ... --split train --freeze      # as --stress-freeze-sizes
 
 On a GPU, compact mode (eval_adaptive.py --stress-envs, CUDA graphs) captures one policy graph per set of bucket

@@ -1,4 +1,4 @@
-"""Env steps per second of the torch BoxPick env, measured as REFERENCE.md §6 measures the JAX one:
+"""Env steps per second of the torch BoxPick env, measured as the reference's JAX env was (docs/benchmarks.md):
 random actions, auto-reset on, 1000 steps, 1,024 and 32,768 envs, Exact-4 and Generalize-4-1.
 
     python bench/env_throughput.py --device cuda

@@ -1,6 +1,6 @@
-"""GC-DQN differences from the reference's code, measured on CPU (README, "Where this still differs"):
+"""GC-DQN differences from the reference's code, measured on CPU (docs/reference.md, "Where GC-DQN departs"):
 
-    python bench/gcdqn_fidelity.py alpha carry/BoxPick-Exact-4-v0__long__1__1795681532/latest.pt
+    python bench/gcdqn_fidelity.py alpha checkpoints/BoxPick-Exact-4-v0__ref__1__1795763631/pretrained.pt
     python bench/gcdqn_fidelity.py horizon
     python bench/gcdqn_fidelity.py init
 

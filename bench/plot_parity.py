@@ -1,9 +1,9 @@
 """Per-depth success curves of one or more runs from their metrics.jsonl: the learning-parity figure that a change
-to GC-DQN's numerics must pass (issue 14, runs with the same seed and protocol overlaid), and the learning curves
+to GC-DQN's numerics must pass (runs with the same seed and protocol overlaid), and the learning curves
 of long runs beside the paper's final values (--paper).
 
     python bench/plot_parity.py --runs runs/old/metrics.jsonl runs/new/metrics.jsonl --labels before after \
-        --out docs/gcdqn_parity.png
+        --out docs/figures/gcdqn_parity.png
 
 With --depths 5 only depth 5 is drawn and each run gets its own colour: many runs of one setting side by side.
 """

@@ -1,10 +1,10 @@
-"""Full-depth success against env steps for a screen of LightsOut variants (issue 16): the mean over seeds as a
-line, each seed as a faint line, the paper's IRU-5 value as a dashed line.
+"""Full-depth success against env steps for a screen of LightsOut variants (sweeps/lightsout_screen.sh): the mean
+over seeds as a line, each seed as a faint line, the paper's IRU-5 value as a dashed line.
 
-    python bench/plot_screen.py --evals docs/runs/lightsout_screen_evals.jsonl --out docs/lightsout_screen.png
+    python bench/plot_screen.py --evals docs/results/data/lightsout_screen_evals.jsonl --out lightsout_screen.png
 
 --evals is a JSON-lines file with one record per evaluation: variant, seed, global_step and the run's
-eval/<split>/success_depth_<k> values (docs/runs/lightsout_screen_evals.jsonl was made from the screen's
+eval/<split>/success_depth_<k> values (docs/results/data/lightsout_screen_evals.jsonl was made from the screen's
 metrics.jsonl files).
 """
 
@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-PAPER_FULL_DEPTH = {"train": 0.732, "unseen": 0.013}  # REFERENCE.md §5, IRU-5 on LightsOut
+PAPER_FULL_DEPTH = {"train": 0.732, "unseen": 0.013}  # the paper's Table 2, IRU-5 on LightsOut
 
 
 def main():

@@ -1,17 +1,19 @@
-"""Mean ± std over seeds of eval_adaptive.py results, as the README's markdown tables: success at each fixed depth,
-then adaptive success and mean depth at the calibrated eps (and at --eps, if given), per checkpoint label and split,
-and each seed's mean depth at matched success (the first label's full-depth success less one standard error).
+"""Mean ± std over seeds of eval_adaptive.py results, as the markdown tables of docs/results/: success at each
+fixed depth, then adaptive success and mean depth at the calibrated eps (and at --eps, if given), per checkpoint
+label and split, and each seed's mean depth at matched success (the first label's full-depth success less one
+standard error).
 
     python bench/seed_table.py results/exact4_ref_s{1,2,3}/results.json
     python bench/seed_table.py results/exact4_ref_s{1,2,3}/results.json --eps 0.05
     # a checkpoint evaluated later beside the ones evaluated before, per seed: join the files with +
-    python bench/seed_table.py docs/runs/eval_adaptive_exact4_ref_seed1.results.json+results/exact4_ref_s1_to1m/results.json ...
+    D=docs/results/data/eval_adaptive_exact4_ref_5m
+    python bench/seed_table.py ${D}_seed1.results.json+${D}_lambda0_1m_seed1.results.json ...
     # also draw the mean ± std success at each fixed depth of some labels, in that order
     python bench/seed_table.py ... --plot elasticity.png --plot-labels IRU-5 Self-TD-Only-1M FlexLoop-1M
 
 Each argument is one seed's `eval_adaptive.py --checkpoints A B C --labels ...` run, or several runs of one seed
 joined with + when they evaluated the same episodes (the same --seed, env, envs per split and eps grid); the seeds
-must share the labels. The std is the sample standard deviation (n - 1), as in the README's tables.
+must share the labels. The std is the sample standard deviation (n - 1), as in the paper's tables.
 """
 
 import argparse

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Screen the authors' PPO choices on LightsOut-4x5 (issue 16): IRU-5 GC-PPO pretraining at the reference budget
+# Screen the authors' PPO choices on LightsOut-4x5 (docs/reference.md): IRU-5 GC-PPO pretraining at the reference budget
 # (50M env steps), 3 seeds per variant, every run of the call in the background on one GPU. Each variant switches
-# one choice of CleanRL's to the authors'; "reference" switches the issue's four at once.
+# one choice of CleanRL's to the authors'; "reference" switches the authors' four batch choices at once.
 #
 #   bash sweeps/lightsout_screen.sh GPU VARIANT...        e.g.  bash sweeps/lightsout_screen.sh 0 hard-reset
 #   SEEDS="1 2" EVAL_EVERY=8 EXTRA="--track --wandb-group screen" bash sweeps/lightsout_screen.sh 1 reference
@@ -25,9 +25,9 @@ declare -A VARIANT_FLAGS=(
   [timeout-zero]="--hard-reset-every 0 --advantage-norm minibatch --minibatch-layout rows --timeout-bootstrap zero"
   [reference]="--hard-reset-every 3 --advantage-norm rollout --minibatch-layout time-rows --obs-norm-update before-epochs"
   [reference-timeout]="--hard-reset-every 3 --advantage-norm rollout --minibatch-layout time-rows --obs-norm-update before-epochs --timeout-bootstrap zero"
-  # the authors' PPO loss: unclipped value loss, no gradient clipping (issue 16, item 3)
+  # the authors' PPO loss: unclipped value loss, no gradient clipping
   [ref-loss]="--hard-reset-every 0 --advantage-norm minibatch --minibatch-layout rows --no-clip-vloss --max-grad-norm inf"
-  # the authors' initialisation (flax defaults) and Adam epsilon (issue 16, item 3)
+  # the authors' initialisation (flax defaults) and Adam epsilon
   [flax-init]="--hard-reset-every 0 --advantage-norm minibatch --minibatch-layout rows --init flax --adam-eps 1e-8"
   # the authors' choice wherever ours showed no gain in the first screen
   [candidate]="--hard-reset-every 3 --advantage-norm rollout --minibatch-layout time-rows --init flax --adam-eps 1e-8"
