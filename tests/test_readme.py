@@ -85,3 +85,22 @@ def test_readme_is_short_and_depends_on_nothing_outside_the_repository():
     # the README speaks of the software, not of how the work on it was organised
     words = "|".join(["sess" + "ion", "lea" + "se", "len" + "t "])  # spelt in pieces, so this file stays clean too
     assert not re.search(words, README, flags=re.I)
+
+
+DOCS = [REPO / "checkpoints/README.md", *sorted((REPO / "docs").rglob("*.md"))]
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda page: str(page.relative_to(REPO)))
+def test_every_docs_page_links_only_to_files_in_the_repository(page):
+    text = page.read_text()
+    links = {link for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text) if "://" not in link}
+    missing = sorted(link for link in links if not (page.parent / link).exists())
+    assert not missing, f"{page.relative_to(REPO)} links to files that are not in the repository: {missing}"
+    assert "../shared" not in text and "carry/" not in text
+    words = "|".join(["sess" + "ion", "lea" + "se", "len" + "t "])
+    assert not re.search(words, text, flags=re.I), page
+
+
+def test_figures_are_small():
+    sizes = {path.name: path.stat().st_size for path in (REPO / "docs/figures").glob("*")}
+    assert sizes and max(sizes.values()) <= 200_000, sizes
