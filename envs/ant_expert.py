@@ -38,7 +38,8 @@ import tyro
 
 EXPERT_FORMAT = "flexloop-ant-expert-v1"
 STATE_FORMAT = "flexloop-ant-expert-state-v1"
-DEFAULT_EXPERT_PATH = "checkpoints/ant_expert/expert.pt"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_EXPERT_PATH = os.path.join(REPO_ROOT, "checkpoints", "ant_expert", "expert.pt")
 TRAIN_COMMAND = "python -m envs.ant_expert train --device cuda"
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # OGBench's GCActor bounds
 

@@ -1,11 +1,12 @@
 """OGBench data for FlexLoop's GC-IQL: load a dataset, sample goal-conditioned batches on the device, and
-regenerate datasets locally with the oracles that ship inside the `ogbench` package.
+regenerate all five datasets locally at OGBench's size: manipulation and pointmaze with the oracles that ship inside
+the `ogbench` package, antmaze with the ant expert of envs/ant_expert.py.
 
     from envs.ogbench_data import DATASETS, load_dataset, make_eval_env
     train = load_dataset("cube-double-play-v0", device="cuda")          # a GCDataset
     batch = train.sample(1024, generator)                                 # dict of tensors, no host syncs
 
-    python -m envs.ogbench_data generate --env scene-play-v0 --episodes 1000 --out ~/.ogbench/data --workers 16
+    python -m envs.ogbench_data generate --env scene-play-v0 --out ~/.ogbench/data     # 1000 episodes, all cores
 
 `ogbench` (and with it mujoco) is imported only inside the functions that need it, so importing this module
 for BoxPick or LightsOut costs neither.
@@ -16,7 +17,9 @@ import multiprocessing
 import os
 import socket
 import sys
+import time
 import urllib.error
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -249,14 +252,13 @@ def missing_dataset_message(env_name, paths, dataset_dir=None):
         f"or fetch {OGBENCH_URL}/{env_name}.npz and {OGBENCH_URL}/{env_name}-val.npz into the dataset dir,",
         "then pass --dataset-dir DIR pointing there (in Python: load_dataset(..., dataset_dir=DIR)).",
     ]
-    if get_spec(env_name).family == "manipulation" or env_name.startswith("pointmaze"):
-        lines += [
-            "Or generate it locally with the oracles in the ogbench package:",
-            f"    python -m envs.ogbench_data generate --env {env_name} --episodes N --out DIR",
-            "and pass --dataset-dir DIR (in Python: dataset_dir=DIR).",
-        ]
-    else:
-        lines += ["It cannot be generated locally: its data comes from a pretrained locomotion expert."]
+    lines += [
+        "Or generate it locally (at OGBench's size by default):",
+        f"    python -m envs.ogbench_data generate --env {env_name} --out DIR",
+        "and pass --dataset-dir DIR (in Python: dataset_dir=DIR).",
+    ]
+    if env_name.startswith("antmaze"):
+        lines += ["(antmaze needs the trained ant expert first: python -m envs.ant_expert train --device cuda)"]
     return "\n".join(lines)
 
 
@@ -340,25 +342,19 @@ def make_eval_env(env_name, **env_kwargs):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Generation with the package's oracles
+# Generation: the package's oracles, and the trained ant expert for antmaze
 # ---------------------------------------------------------------------------------------------------------------
-
-ANTMAZE_MESSAGE = (
-    "{name}: antmaze data is collected by a pretrained ant locomotion expert (a SAC policy) that the ogbench package "
-    "does not ship, so it cannot be generated here. Download it instead:\n"
-    "    python -c \"import ogbench; ogbench.download_datasets(['{name}'])\"\n"
-    f"or fetch {OGBENCH_URL}/{{name}}.npz and {OGBENCH_URL}/{{name}}-val.npz into your dataset dir."
-)
 
 MANIP_NOISE, MANIP_NOISE_SMOOTHING = 0.1, 0.5  # PlanOracle noise of OGBench's 'play' datasets
 POINTMAZE_NOISE = 0.5  # Gaussian action noise of OGBench's pointmaze stitch data
+ANTMAZE_NOISE = 0.2  # Gaussian noise on the ant expert's actions (generate_locomaze.py's default)
 STITCH_CELLS = 4  # stitch goals are 4 maze cells (BFS steps) from the start cell
 
-_WORKER = {}  # per-process env and oracles, built once per worker
+_WORKER = {}  # per-process env, oracles and expert, built once per worker
 
 
-def _worker_setup(env_name, episode_steps):
-    key = (env_name, episode_steps)
+def _worker_setup(env_name, episode_steps, expert_path):
+    key = (env_name, episode_steps, expert_path)
     if _WORKER.get("key") == key:
         return _WORKER
     import gymnasium
@@ -393,8 +389,17 @@ def _worker_setup(env_name, episode_steps):
         env = gymnasium.make(spec.env_id, terminate_at_goal=False, max_episode_steps=episode_steps)
         maze_map = env.unwrapped.maze_map
         free = [(i, j) for i in range(maze_map.shape[0]) for j in range(maze_map.shape[1]) if maze_map[i, j] == 0]
-        _WORKER.update(env=env, maze_map=maze_map, free_cells=free)
+        _WORKER.update(env=env, maze_map=maze_map, free_cells=free, expert=None)
+        if env_name.startswith("antmaze"):
+            from envs.ant_expert import load_expert
+
+            _WORKER["expert"], _ = load_expert(expert_path)
     return _WORKER
+
+
+def _pool_init():
+    # one torch thread per worker: the workers already use every core, and the expert is a batch-1 MLP
+    torch.set_num_threads(1)
 
 
 def _cells_at_distance(maze_map, start, dist):
@@ -415,6 +420,8 @@ def _cells_at_distance(maze_map, start, dist):
 
 
 def _manip_episode(w, env_name, seed):
+    """One 'play' episode: the oracle does a task, then a new target is set, until the time limit.
+    Returns the episode and the number of tasks the oracle finished in it."""
     env, agents = w["env"], w["agents"]
     np.random.seed(seed % 2**32)  # the PlanOracles draw their plan noise from the global numpy RNG
     reset_seed = seed
@@ -426,12 +433,13 @@ def _manip_episode(w, env_name, seed):
         agent = agents[info["privileged/target_task"]]
         agent.reset(ob, info)
         ep = {"observations": [], "actions": [], "terminals": [], "qpos": [], "qvel": [], "button_states": []}
-        done = False
+        tasks_done, done = 0, False
         while not done:
             action = np.clip(np.asarray(agent.select_action(ob, info)), -1, 1)
             next_ob, _, terminated, truncated, info = env.step(action)
             done = terminated or truncated
             if agent.done:  # the oracle finished its task: pick a new target and the matching oracle
+                tasks_done += 1
                 agent_ob, agent_info = env.unwrapped.set_new_target(p_stack=p_stack)
                 agent = agents[agent_info["privileged/target_task"]]
                 agent.reset(agent_ob, agent_info)
@@ -452,12 +460,16 @@ def _manip_episode(w, env_name, seed):
                 continue
         if not ep["button_states"]:
             del ep["button_states"]
-        return ep
+        return ep, {"tasks_done": tasks_done}
     raise RuntimeError(f"{env_name}: 100 unhealthy episodes in a row for seed {seed}")
 
 
-def _pointmaze_episode(w, seed):
-    env, maze_map, free = w["env"], w["maze_map"], w["free_cells"]
+def _maze_episode(w, env_name, seed):
+    """One stitch episode: start in a random free cell, goal 4 cells away, follow the oracle's waypoints.
+    The point moves along the waypoint direction plus N(0, 0.5) noise; the ant is the expert, steered by the same
+    direction (its observation without x, y, then the direction, as in online-ant-xy-v0), plus N(0, 0.2) noise.
+    Returns the episode and whether the goal was reached (at any step, and at the last one)."""
+    env, maze_map, free, expert = w["env"], w["maze_map"], w["free_cells"], w["expert"]
     rng = np.random.default_rng(seed)
     np.random.seed(seed % 2**32)  # the maze env adds start noise with the global numpy RNG
     env.action_space.seed(seed)  # and takes a few random settling steps at reset
@@ -467,41 +479,83 @@ def _pointmaze_episode(w, seed):
     ob, _ = env.reset(seed=seed, options=dict(task_info=dict(init_ij=init_ij, goal_ij=goal_ij)))
     u = env.unwrapped
     ep = {"observations": [], "actions": [], "terminals": [], "qpos": [], "qvel": []}
-    done = False
+    reached, done = False, False
     while not done:
         xy = u.get_xy()
         subgoal_xy, _ = u.get_oracle_subgoal(xy, u.cur_goal_xy)
         direction = (subgoal_xy - xy) / (np.linalg.norm(subgoal_xy - xy) + 1e-6)
-        action = np.clip(direction + rng.normal(0.0, POINTMAZE_NOISE, 2), -1, 1)
+        if expert is None:
+            action = direction + rng.normal(0.0, POINTMAZE_NOISE, 2)
+        else:
+            expert_ob = np.concatenate([u.get_ob(ob_type="states")[2:], direction])
+            action = expert.act(torch.as_tensor(expert_ob, dtype=torch.float32)[None])[0].numpy().astype(np.float64)
+            action = action + rng.normal(0.0, ANTMAZE_NOISE, action.shape)
+        action = np.clip(action, -1, 1)
         next_ob, _, terminated, truncated, info = env.step(action)
         done = terminated or truncated
+        reached = reached or bool(info["success"])
         ep["observations"].append(ob)
         ep["actions"].append(action)
         ep["terminals"].append(done)
         ep["qpos"].append(info["prev_qpos"])
         ep["qvel"].append(info["prev_qvel"])
         ob = next_ob
-    return ep
+    return ep, {"reached": reached, "at_goal_at_end": bool(info["success"])}
 
 
 def _collect_episode(task):
-    env_name, episode_steps, seed = task
-    w = _worker_setup(env_name, episode_steps)
+    env_name, episode_steps, expert_path, seed = task
+    w = _worker_setup(env_name, episode_steps, expert_path)
     if get_spec(env_name).family == "manipulation":
         return _manip_episode(w, env_name, seed)
-    return _pointmaze_episode(w, seed)
+    return _maze_episode(w, env_name, seed)
 
 
-def _save_npz(path, episodes):
-    # OGBench's file layout: terminals bool, button_states int64, everything else float32.
-    arrays = {}
-    for k in episodes[0]:
-        dtype = bool if k == "terminals" else np.int64 if k == "button_states" else np.float32
-        arrays[k] = np.concatenate([np.asarray(ep[k], dtype=dtype) for ep in episodes])
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        np.savez_compressed(f, **arrays)
-    os.replace(tmp, path)  # atomic: a killed run never leaves a half-written dataset under the real name
+def _write_npz(f, arrays):
+    """np.savez_compressed's format (a zip of .npy members), with the members' timestamps fixed so that the same
+    seed gives the same bytes (savez stamps the current time)."""
+    with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED, allowZip64=True) as zf:
+        for key, array in arrays.items():
+            info = zipfile.ZipInfo(f"{key}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with zf.open(info, "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+
+def _write_npz_files(paths_and_episodes):
+    """Write each (path, episodes) in OGBench's file layout: every file lands, or none does.
+    Layout: terminals bool, button_states int64, everything else float32."""
+    tmps = []
+    try:
+        for path, episodes in paths_and_episodes:
+            arrays = {}
+            for k in episodes[0]:
+                dtype = bool if k == "terminals" else np.int64 if k == "button_states" else np.float32
+                arrays[k] = np.concatenate([np.asarray(ep[k], dtype=dtype) for ep in episodes])
+            tmp = path + ".tmp"
+            tmps.append(tmp)
+            with open(tmp, "wb") as f:
+                _write_npz(f, arrays)
+        for tmp, (path, _) in zip(tmps, paths_and_episodes):
+            os.replace(tmp, path)  # atomic: a killed run never leaves a half-written dataset under the real name
+    finally:
+        for tmp in tmps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def check_expert(env_name, expert_path):
+    """The ant expert must exist and fit the ant (29-dim observation with the direction, 8 actions); returns the
+    number of env steps it was trained for."""
+    from envs.ant_expert import load_expert
+
+    _, info = load_expert(expert_path)
+    if info["obs_dim"] != 29 or info["action_dim"] != DATASETS[env_name].action_dim:
+        raise ValueError(
+            f"{expert_path} maps {info['obs_dim']} observations to {info['action_dim']} actions, but the ant "
+            f"expert needs 29 (27 ant + the direction) to 8: retrain with `python -m envs.ant_expert train`"
+        )
+    return info["env_steps"]
 
 
 def generate_dataset(
@@ -513,15 +567,18 @@ def generate_dataset(
     workers=1,
     val_fraction=0.1,
     progress=True,
+    expert_path=None,
+    return_stats=False,
 ):
-    """Collect `episodes` train episodes (+ val_fraction as many for -val) with the package's oracles.
+    """Collect `episodes` train episodes (+ val_fraction as many for -val), by default at OGBench's size.
 
     Writes `<out_dir>/<env_name>.npz` and `<out_dir>/<env_name>-val.npz` in OGBench's layout. Episode e is seeded
-    from (seed, e) alone, so the result does not depend on the number of workers. Returns (train_path, val_path).
+    from (seed, e) alone, so the bytes do not depend on the number of workers. antmaze needs the trained ant
+    expert (`expert_path`, default envs.ant_expert.DEFAULT_EXPERT_PATH). Returns (train_path, val_path), and a
+    dict of collection statistics as well when return_stats=True: for the mazes the fraction of episodes that
+    reach their goal, for manipulation the tasks the oracle finished per episode; and episodes per second.
     """
     spec = get_spec(env_name)
-    if spec.family == "navigation" and not env_name.startswith("pointmaze"):
-        raise ValueError(ANTMAZE_MESSAGE.format(name=env_name))
     episodes = spec.gen_episodes if episodes is None else episodes
     episode_steps = spec.gen_episode_steps if episode_steps is None else episode_steps
     if episodes < 1 or episode_steps < 2:
@@ -530,13 +587,22 @@ def generate_dataset(
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    expert_steps = None
+    if env_name.startswith("antmaze"):
+        from envs.ant_expert import DEFAULT_EXPERT_PATH
+
+        expert_path = os.path.abspath(os.path.expanduser(expert_path or DEFAULT_EXPERT_PATH))
+        expert_steps = check_expert(env_name, expert_path)  # fail before any work, with the training command
+    else:
+        expert_path = None
     n_val = max(1, round(episodes * val_fraction))  # ogbench's loader needs a non-empty -val file
     total = episodes + n_val
     seeds = [int(np.random.SeedSequence([seed, e]).generate_state(1)[0]) for e in range(total)]
-    tasks = [(env_name, episode_steps, s) for s in seeds]
+    tasks = [(env_name, episode_steps, expert_path, s) for s in seeds]
 
     from tqdm import tqdm
 
+    start = time.time()
     bar = tqdm(total=total, desc=f"generate {env_name}", unit="ep", disable=not progress)
     results = []
     if workers == 1:
@@ -544,37 +610,48 @@ def generate_dataset(
             results.append(_collect_episode(t))
             bar.update(1)
     else:
-        # spawn: fresh interpreters, so mujoco and torch state are never forked
-        with multiprocessing.get_context("spawn").Pool(min(workers, total)) as pool:
-            for ep in pool.imap(_collect_episode, tasks, chunksize=1):
-                results.append(ep)
+        # spawn: fresh interpreters, so mujoco and torch state are never forked; imap keeps the episode order
+        with multiprocessing.get_context("spawn").Pool(min(workers, total), initializer=_pool_init) as pool:
+            for result in pool.imap(_collect_episode, tasks, chunksize=1):
+                results.append(result)
                 bar.update(1)
     bar.close()
+    seconds = time.time() - start
 
     os.makedirs(out_dir, exist_ok=True)
     train_path = os.path.join(out_dir, f"{env_name}.npz")
     val_path = os.path.join(out_dir, f"{env_name}-val.npz")
-    _save_npz(train_path, results[:episodes])
-    _save_npz(val_path, results[episodes:])
-    return train_path, val_path
+    eps = [ep for ep, _ in results]
+    _write_npz_files([(train_path, eps[:episodes]), (val_path, eps[episodes:])])
+    if not return_stats:
+        return train_path, val_path
+    per_episode = [s for _, s in results]
+    stats = {"episodes": total, "seconds": seconds, "episodes_per_second": total / seconds, "workers": workers}
+    for key in per_episode[0]:
+        stats[f"mean_{key}"] = float(np.mean([s[key] for s in per_episode]))
+    if expert_steps is not None:
+        stats["expert_env_steps"] = expert_steps
+    return train_path, val_path, stats
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m envs.ogbench_data", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="make an OGBench dataset locally with the package's oracles")
+    g = sub.add_parser("generate", help="make an OGBench dataset locally (oracles; the ant expert for antmaze)")
     g.add_argument("--env", required=True, help=f"dataset name, one of: {', '.join(DATASETS)}")
     g.add_argument("--out", default=os.path.expanduser(DEFAULT_DATASET_DIR), help="output directory")
     g.add_argument("--episodes", type=int, default=None, help="train episodes (default: OGBench's 1000 or 5000)")
     g.add_argument("--episode-steps", type=int, default=None, help="states per episode (default 1001, or 201)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes")
+    g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
     g.add_argument("--val-fraction", type=float, default=0.1, help="extra val episodes as a fraction of --episodes")
+    g.add_argument("--expert", default=None, help="antmaze: the trained ant expert (default "
+                   "checkpoints/ant_expert/expert.pt, from `python -m envs.ant_expert train`)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
 
     try:
-        train_path, val_path = generate_dataset(
+        train_path, val_path, stats = generate_dataset(
             args.env,
             args.out,
             episodes=args.episodes,
@@ -583,11 +660,23 @@ def main(argv=None):
             workers=args.workers,
             val_fraction=args.val_fraction,
             progress=not args.no_progress,
+            expert_path=args.expert,
+            return_stats=True,
         )
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {train_path} and {val_path}")
+    summary = f"{stats['episodes']} episodes in {stats['seconds']:.0f} s ({stats['episodes_per_second']:.2f} ep/s, "
+    summary += f"{stats['workers']} workers)"
+    if "mean_reached" in stats:
+        summary += f"; goal reached in {100 * stats['mean_reached']:.1f}% of episodes"
+        summary += f", at the goal at the end in {100 * stats['mean_at_goal_at_end']:.1f}%"
+    if "mean_tasks_done" in stats:
+        summary += f"; the oracle finished {stats['mean_tasks_done']:.2f} tasks per episode"
+    if "expert_env_steps" in stats:
+        summary += f"; ant expert trained for {stats['expert_env_steps']:,} env steps"
+    print(summary)
     print(f"train on it with: python flexloop_gciql.py --env-name {args.env} --dataset-dir {args.out}")
     print(f"or load it in Python: envs.ogbench_data.load_dataset({args.env!r}, dataset_dir={args.out!r})")
     return 0

@@ -1,10 +1,7 @@
 """envs/ogbench_data.py: generation round trip, OGBench goal sampling, clear errors. CPU, no network."""
 
-import os
-import subprocess
-import sys
+import time
 import urllib.error
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +12,6 @@ import ogbench  # noqa: E402
 
 from envs import ogbench_data as od  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 PM = "pointmaze-large-stitch-v0"
 CUBE = "cube-double-play-v0"
 PM_EPISODES, PM_STEPS = 6, 60
@@ -94,17 +90,66 @@ def test_load_dataset(data_dir, name, episodes, steps, n_val):
     assert val.num_trajectories == n_val and val.size == n_val * steps
 
 
-def test_generation_is_seeded_and_worker_independent(tmp_path):
+def _write_like_ogbench(src, dst):
+    """Re-save a file the way OGBench's data_gen_scripts write the files it serves: lists of steps turned into
+    arrays (terminals bool, button_states int64, the rest float32), then np.savez_compressed(path, **dataset)."""
+    raw = np.load(src)
+    dataset = {}
+    for k in raw.files:
+        dtype = bool if k == "terminals" else np.int64 if k == "button_states" else np.float32
+        dataset[k] = np.array([step for step in raw[k]], dtype=dtype)
+    np.savez_compressed(dst, **dataset)
+
+
+def _assert_loader_cannot_tell(name, generated_dir, downloaded_dir):
+    """The generated file and an OGBench-written one have the same members, dtypes and shapes, and every loader
+    (ogbench's, compact and not, and load_dataset with its -val file) returns the same arrays for both."""
+    gen, down = np.load(generated_dir / f"{name}.npz"), np.load(downloaded_dir / f"{name}.npz")
+    assert gen.files == down.files
+    for k in gen.files:
+        assert gen[k].dtype == down[k].dtype and gen[k].shape == down[k].shape, k
+    for compact in (False, True):
+        a = ogbench.load_dataset(str(generated_dir / f"{name}.npz"), compact_dataset=compact)
+        b = ogbench.load_dataset(str(downloaded_dir / f"{name}.npz"), compact_dataset=compact)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype
+            np.testing.assert_array_equal(a[k], b[k])
+    ga, gv = od.load_dataset(name, dataset_dir=str(generated_dir), with_val=True, download=False)
+    da, dv = od.load_dataset(name, dataset_dir=str(downloaded_dir), with_val=True, download=False)
+    for x, y in [(ga, da), (gv, dv)]:
+        for attr in ["observations", "actions", "valids", "valid_idxs", "final_idxs", "traj_ids"]:
+            assert torch.equal(getattr(x, attr), getattr(y, attr)), attr
+
+
+@pytest.mark.parametrize("name", [PM, CUBE])
+def test_loader_cannot_tell_generated_from_downloaded(data_dir, tmp_path, name):
+    for suffix in ["", "-val"]:
+        _write_like_ogbench(data_dir / f"{name}{suffix}.npz", tmp_path / f"{name}{suffix}.npz")
+    _assert_loader_cannot_tell(name, data_dir, tmp_path)
+
+
+def test_generation_is_seeded(tmp_path, monkeypatch):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     od.generate_dataset(PM, str(a), 3, 30, seed=1, workers=1, progress=False)
-    od.generate_dataset(PM, str(b), 3, 30, seed=1, workers=2, progress=False)
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 3600)  # an hour later: no time stamp in the bytes
+    od.generate_dataset(PM, str(b), 3, 30, seed=1, workers=1, progress=False)
     od.generate_dataset(PM, str(c), 3, 30, seed=2, workers=1, progress=False)
-    fa, fb, fc = (np.load(d / f"{PM}.npz") for d in (a, b, c))
-    for k in fa.files:
-        np.testing.assert_array_equal(fa[k], fb[k])
-    assert not np.array_equal(fa["observations"], fc["observations"])
+    for name in (f"{PM}.npz", f"{PM}-val.npz"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+        assert (a / name).read_bytes() != (c / name).read_bytes()
+    fa = np.load(a / f"{PM}.npz")
     # the stitch oracle moves: actions are clipped unit directions plus noise, positions change
     assert np.abs(np.diff(fa["observations"], axis=0)).max() > 0.05
+
+
+@pytest.mark.slow  # spawned workers each import mujoco, ogbench and torch
+def test_generation_bytes_do_not_depend_on_workers(tmp_path):
+    for workers in (1, 2):
+        od.generate_dataset(PM, str(tmp_path / str(workers)), 3, 30, seed=1, workers=workers, progress=False)
+    for name in (f"{PM}.npz", f"{PM}-val.npz"):
+        assert (tmp_path / "1" / name).read_bytes() == (tmp_path / "2" / name).read_bytes()
 
 
 @pytest.mark.parametrize("name", ["scene-play-v0", "puzzle-4x4-play-v0"])
@@ -114,6 +159,11 @@ def test_generate_scene_and_puzzle_smoke(tmp_path, name):
     assert raw["button_states"].dtype == np.int64
     ds = od.load_dataset(name, dataset_dir=str(tmp_path), download=False)
     assert ds.obs_dim == od.DATASETS[name].obs_dim and ds.num_valid == 29
+    downloaded = tmp_path / "downloaded"
+    downloaded.mkdir()
+    for suffix in ["", "-val"]:
+        _write_like_ogbench(tmp_path / f"{name}{suffix}.npz", downloaded / f"{name}{suffix}.npz")
+    _assert_loader_cannot_tell(name, tmp_path, downloaded)
 
 
 def test_table_matches_eval_envs():
@@ -285,19 +335,87 @@ def test_generate_command_names_the_flag_that_loads_its_output(tmp_path, capsys)
     assert (tmp_path / f"{PM}.npz").is_file()
 
 
-def test_antmaze_generate_refuses(tmp_path):
-    with pytest.raises(ValueError, match="pretrained"):
-        od.generate_dataset("antmaze-medium-stitch-v0", str(tmp_path), 1, 10, progress=False)
-    r = subprocess.run(
-        [sys.executable, "-m", "envs.ogbench_data", "generate"]
-        + ["--env", "antmaze-medium-stitch-v0", "--out", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=120,
-    )
-    assert r.returncode != 0
-    assert "pretrained" in r.stderr and "download_datasets(['antmaze-medium-stitch-v0'])" in r.stderr
-    assert "Traceback" not in r.stderr
+def test_generate_bad_inputs_one_line_errors(tmp_path, capsys):
+    assert od.main(["generate", "--env", "antmaze-large-stitch-v0", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown OGBench dataset" in err and "supported: scene-play-v0" in err
+    assert od.main(["generate", "--env", PM, "--out", str(tmp_path), "--episodes", "0"]) == 2
+    assert "episodes >= 1" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
+    real_write = od._write_npz
+    calls = []
+
+    def fail_on_second_file(f, arrays):  # the train file is written, the val file fails (a full disk, a kill)
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        real_write(f, arrays)
+
+    monkeypatch.setattr(od, "_write_npz", fail_on_second_file)
+    with pytest.raises(OSError, match="disk full"):
+        od.generate_dataset(PM, str(tmp_path), 2, 10, seed=0, workers=1, progress=False)
+    assert list(tmp_path.iterdir()) == []  # neither file, nor a .tmp, under any name
+
+
+# ------------------------------------------------------------------------------------------------------- antmaze
+
+ANT = "antmaze-medium-stitch-v0"
+
+
+@pytest.fixture(scope="module")
+def untrained_expert(tmp_path_factory):
+    from envs import ant_expert
+
+    torch.manual_seed(0)
+    path = str(tmp_path_factory.mktemp("expert") / "expert.pt")
+    ant_expert.save_expert(ant_expert.Actor(29, 8, (32, 32)), path, "online-ant-xy-v0", 0, (32, 32))
+    return path
+
+
+def test_antmaze_generation_with_an_expert(tmp_path, untrained_expert):
+    _, _, stats = od.generate_dataset(ANT, str(tmp_path), 2, 25, seed=0, workers=1, progress=False,
+                                      expert_path=untrained_expert, return_stats=True)
+    raw = np.load(tmp_path / f"{ANT}.npz")
+    assert set(raw.files) == {"observations", "actions", "terminals", "qpos", "qvel"}
+    assert raw["observations"].shape == (50, 29) and raw["actions"].shape == (50, 8)
+    assert raw["qpos"].shape == (50, 15) and raw["qvel"].shape == (50, 14)
+    assert np.abs(raw["actions"]).max() <= 1.0
+    # the ant starts at its cell centre (plus OGBench's start noise): x, y of the first state are a cell's
+    env = od.make_eval_env(ANT)
+    ij = env.unwrapped.xy_to_ij(raw["observations"][0, :2])
+    assert env.unwrapped.maze_map[ij] == 0
+    assert stats["expert_env_steps"] == 0 and 0.0 <= stats["mean_reached"] <= 1.0
+    ds = od.load_dataset(ANT, dataset_dir=str(tmp_path), download=False)
+    assert ds.num_valid == 48 and ds.obs_dim == 29 and ds.action_dim == 8
+    downloaded = tmp_path / "downloaded"
+    downloaded.mkdir()
+    for suffix in ["", "-val"]:
+        _write_like_ogbench(tmp_path / f"{ANT}{suffix}.npz", downloaded / f"{ANT}{suffix}.npz")
+    _assert_loader_cannot_tell(ANT, tmp_path, downloaded)
+
+
+@pytest.mark.slow  # two spawned workers import mujoco, ogbench and torch
+def test_antmaze_bytes_do_not_depend_on_workers(tmp_path, untrained_expert):
+    for workers in (1, 2):
+        od.generate_dataset(ANT, str(tmp_path / str(workers)), 3, 15, seed=4, workers=workers, progress=False,
+                            expert_path=untrained_expert)
+    for name in (f"{ANT}.npz", f"{ANT}-val.npz"):
+        assert (tmp_path / "1" / name).read_bytes() == (tmp_path / "2" / name).read_bytes()
+
+
+def test_antmaze_without_an_expert_fails_in_one_line(tmp_path, capsys):
+    missing = tmp_path / "no_expert.pt"
+    assert od.main(["generate", "--env", ANT, "--out", str(tmp_path / "out"), "--expert", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"no ant expert at {missing}" in err and "python -m envs.ant_expert train --device cuda" in err
+    assert not (tmp_path / "out").exists()
+    # an expert of the wrong shape is refused too
+    from envs import ant_expert
+
+    ant_expert.save_expert(ant_expert.Actor(5, 2, (8,)), str(missing), "online-ant-xy-v0", 10, (8,))
+    with pytest.raises(ValueError, match="needs 29 .* to 8"):
+        od.generate_dataset(ANT, str(tmp_path / "out"), 1, 10, progress=False, expert_path=str(missing))
