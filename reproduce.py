@@ -60,10 +60,9 @@ class Job:
 
 
 def load_studies(path):
-    spec = importlib.util.spec_from_file_location("studies", path)
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("studies", module)  # a studies file may import studies.py's builders
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(module)  # a file of your own may `import studies` for its builders
     return module.STUDIES
 
 
@@ -261,6 +260,8 @@ class SubmititLauncher:
             self.executor.update_parameters(partition=cli.partition, time=cli.time, gpus_per_node=cli.gpus_per_job,
                                             cpus_per_task=cli.cpus_per_job, signal_delay_s=cli.signal_delay,
                                             additional_parameters=extra)
+        # the job unpickles studies.py's Run: it imports it from here, wherever the job starts
+        self.executor.update_parameters(setup=[f"export PYTHONPATH={shlex.quote(str(REPO))}:$PYTHONPATH"])
         self.run_args, self.jobs = (data_dir, machine_flags, cli.track), {}
 
     def start(self, job, argv):
@@ -305,6 +306,19 @@ def schedule(jobs, launcher, data_dir, machine_flags, track, status_every):
     running, shown, last_shown = [], None, 0.0
     try:
         while True:
+            for job in list(running):
+                status = launcher.poll(job)
+                if status is None:
+                    job.detail = last_line(job.folder / LOG)
+                    continue
+                running.remove(job)
+                if is_done(job, data_dir):
+                    job.state, job.detail = "done", ""
+                elif stop:
+                    job.state, job.detail = "stopped", "latest.pt written" if job.run.kind == "train" else ""
+                else:
+                    job.state = "failed"
+                    job.detail = f"exit status {status}: {last_line(job.folder / LOG)} (log: {job.folder / LOG})"
             for job in jobs:
                 if job.state == "queued" and any(n.state in ("failed", "skipped") for n in job.needs):
                     job.state, job.detail = "skipped", "needs " + ", ".join(
@@ -321,19 +335,6 @@ def schedule(jobs, launcher, data_dir, machine_flags, track, status_every):
                     launcher.start(job, argv)
                     job.state = "running"
                     running.append(job)
-            for job in list(running):
-                status = launcher.poll(job)
-                if status is None:
-                    job.detail = last_line(job.folder / LOG)
-                    continue
-                running.remove(job)
-                if is_done(job, data_dir):
-                    job.state, job.detail = "done", ""
-                elif stop:
-                    job.state, job.detail = "stopped", "latest.pt written" if job.run.kind == "train" else ""
-                else:
-                    job.state = "failed"
-                    job.detail = f"exit status {status}: {last_line(job.folder / LOG)} (log: {job.folder / LOG})"
             states = [(job.state, job.detail if job.state != "running" else "") for job in jobs]
             if states != shown or (running and time.monotonic() - last_shown > status_every):
                 print_status(jobs)
@@ -352,8 +353,7 @@ def print_status(jobs):
         f"{sum(job.state == state for job in jobs)} {state}" for state in
         ("done", "running", "queued", "failed", "skipped", "stopped") if any(job.state == state for job in jobs)))
     for job in jobs:
-        detail = f"  {job.where}" if job.state == "running" else ""
-        detail += f"  {job.detail[-120:]}" if job.detail else ""
+        detail = f"  {job.where}  {job.detail[-100:]}" if job.state == "running" else f"  {job.detail}"
         print(f"  {job.name:<{width}}  {job.state:<8}{detail}")
     sys.stdout.flush()
 

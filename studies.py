@@ -7,8 +7,9 @@ run starts from, the evaluations, and the tables they feed.
 How to read a study:
 - A run's flags may name another run of the same study in braces. "{pretrain}" is where run `pretrain` of the same
   seed writes: its run folder (a training run), its output folder (an evaluation) or the dataset folder (a dataset).
-  So "--init-checkpoint {pretrain}/pretrained.pt" starts a run from the pretraining's checkpoint, and the run waits
-  until `pretrain` has finished. Nothing else orders the runs.
+  So "--init-checkpoint {pretrain}/final.pt" starts a run from the pretraining's checkpoint (iru_pretrain.py's
+  final.pt is the IRU-K at the end of pretraining), and the run waits until `pretrain` has finished. Nothing else
+  orders the runs. A run's own name is its own output: the dataset's --out.
 - Every evaluation (eval_adaptive.py) feeds one table: bench/seed_table.py over the seeds' results.json.
 - A run with `home` set is another study's run, shared: it lives in that study's folder and runs once for both
   (the ablations post-train the IRU-5 of boxpick-exact4, and compare with its FlexLoop).
@@ -73,21 +74,21 @@ def boxpick_pretrain(env_id, budget, *flags, name="pretrain", home=None):
 
 
 def boxpick_post(name, env_id, budget, *flags, start="pretrain", home=None):
-    """A post-training run from the pretraining `start`'s pretrained.pt."""
-    return train(name, GCDQN, "--env-id", env_id, *budget.post, "--init-checkpoint", f"{{{start}}}/pretrained.pt",
+    """A post-training run from the pretraining `start`'s IRU-K (its final.pt)."""
+    return train(name, GCDQN, "--env-id", env_id, *budget.post, "--init-checkpoint", f"{{{start}}}/final.pt",
                  *flags, home=home)
 
 
 def boxpick_main(variant, budget=BOXPICK, name=None):
     """IRU-5 pretraining, then FlexLoop (lambda 1) and the RL loss alone (Self-TD Only, lambda 0) from the same
-    pretrained.pt, each evaluated on the train and unseen splits."""
+    pretrained IRU-5, each evaluated on the train and unseen splits."""
     env_id = BOXPICK_VARIANTS[variant]
     return Study(name or f"boxpick-{variant}", f"{env_id}: IRU-5 5M updates, then FlexLoop and Self-TD Only 1M "
                  "(paper §5, Table 2, appendix table)", (
         boxpick_pretrain(env_id, budget),
         boxpick_post("flexloop", env_id, budget, "--lambda-depth", "1"),
         boxpick_post("control", env_id, budget, "--lambda-depth", "0"),
-        evaluate("eval", {"IRU-5": "{pretrain}/pretrained.pt", "FlexLoop": "{flexloop}/final.pt",
+        evaluate("eval", {"IRU-5": "{pretrain}/final.pt", "FlexLoop": "{flexloop}/final.pt",
                           "Self-TD-Only": "{control}/final.pt"}, *budget.eval),
     ))
 
@@ -106,7 +107,7 @@ def ablation(name, about, variants, budget=BOXPICK, control=False):
     (and its Self-TD Only control)."""
     env_id = BOXPICK_VARIANTS["exact4"]
     runs = [boxpick_post(label.lower(), env_id, budget, *flags) for label, flags in variants.items()]
-    checkpoints = {"IRU-5": "{pretrain}/pretrained.pt", "FlexLoop": "{flexloop}/final.pt",
+    checkpoints = {"IRU-5": "{pretrain}/final.pt", "FlexLoop": "{flexloop}/final.pt",
                    **({"Self-TD-Only": "{control}/final.pt"} if control else {}),
                    **{label: f"{{{label.lower()}}}/final.pt" for label in variants}}
     return Study(name, about, (*exact4_shared(budget, control), *runs, evaluate("eval", checkpoints, *budget.eval)))
@@ -122,7 +123,7 @@ def own_pretraining(name, about, variants, budget=BOXPICK):
         runs += [boxpick_pretrain(env_id, budget, *flags, name=f"pretrain-{key}"),
                  boxpick_post(f"flexloop-{key}", env_id, budget, *flags, "--lambda-depth", "1",
                               start=f"pretrain-{key}")]
-        checkpoints |= {label: f"{{pretrain-{key}}}/pretrained.pt", f"FlexLoop-{label}": f"{{flexloop-{key}}}/final.pt"}
+        checkpoints |= {label: f"{{pretrain-{key}}}/final.pt", f"FlexLoop-{label}": f"{{flexloop-{key}}}/final.pt"}
     return Study(name, about, (*runs, evaluate("eval", checkpoints, *budget.eval)))
 
 
@@ -137,10 +138,10 @@ def from_scratch(budget=BOXPICK):
     not give its budget: the post-training's 1M updates."""
     env_id = BOXPICK_VARIANTS["exact4"]
     scratch = train("scratch", GCDQN, "--env-id", env_id, *budget.post, "--teacher-checkpoint",
-                    "{pretrain}/pretrained.pt", "--bellman-weight", "0.1")
+                    "{pretrain}/final.pt", "--bellman-weight", "0.1")
     return Study("ablation-from-scratch", "BoxPick-Exact-4: FlexLoop from scratch with an output-only IRU-5 teacher "
                  "(appendix C.1)", (*exact4_shared(budget), scratch, evaluate(
-                     "eval", {"IRU-5": "{pretrain}/pretrained.pt", "FlexLoop": "{flexloop}/final.pt",
+                     "eval", {"IRU-5": "{pretrain}/final.pt", "FlexLoop": "{flexloop}/final.pt",
                               "FlexLoop-scratch": "{scratch}/final.pt"}, *budget.eval)))
 
 
@@ -153,14 +154,14 @@ LIGHTSOUT = Budget(pretrain=("--pretrain-timesteps", "200000000", "--eval-every"
 
 
 def lightsout(budget=LIGHTSOUT, name="lightsout"):
-    """IRU-5 GC-PPO pretraining, then FlexLoop (lambda 0.05) and the control (lambda 0) from its pretrained.pt."""
-    post = ("flexloop_gcppo.py", *budget.post, "--init-checkpoint", "{pretrain}/pretrained.pt")
+    """IRU-5 GC-PPO pretraining, then FlexLoop (lambda 0.05) and the control (lambda 0) from it."""
+    post = ("flexloop_gcppo.py", *budget.post, "--init-checkpoint", "{pretrain}/final.pt")
     return Study(name, "LightsOut-4x5: IRU-5 GC-PPO 200M env steps, then FlexLoop and the control 50M (paper §5, "
                  "Table 2)", (
         train("pretrain", "iru_pretrain.py", "gcppo", *budget.pretrain),
         train("flexloop", *post, "--lambda-depth", "0.05"),
         train("control", *post, "--lambda-depth", "0"),
-        evaluate("eval", {"IRU-5": "{pretrain}/pretrained.pt", "FlexLoop": "{flexloop}/final.pt",
+        evaluate("eval", {"IRU-5": "{pretrain}/final.pt", "FlexLoop": "{flexloop}/final.pt",
                           "Control": "{control}/final.pt"}, *budget.eval),
     ))
 
@@ -178,19 +179,19 @@ OGBENCH_DATASETS = {  # study name: (dataset, FlexLoop's lambda_depth, REFERENCE
 
 def ogbench(name, budget=OGBENCH):
     """The dataset (skipped when it is already in --data-dir, downloaded or generated), IRU-5 GC-IQL pretraining,
-    then FlexLoop and the control (lambda 0) from its pretrained.pt."""
+    then FlexLoop and the control (lambda 0) from it."""
     dataset, lambda_depth = OGBENCH_DATASETS[name]
     data = Run("data", "data", ("-m", "envs.ogbench_data", "generate", "--env", dataset, "--out", "{data}",
                                 *budget.data), per_seed=False, creates=(f"{dataset}.npz", f"{dataset}-val.npz"))
     on_data = ("--env-name", dataset, "--dataset-dir", "{data}", "--no-download")
-    post = ("flexloop_gciql.py", *on_data, *budget.post, "--init-checkpoint", "{pretrain}/pretrained.pt")
+    post = ("flexloop_gciql.py", *on_data, *budget.post, "--init-checkpoint", "{pretrain}/final.pt")
     return Study(name, f"OGBench {dataset}: IRU-5 GC-IQL 1M updates, then FlexLoop (lambda {lambda_depth}) and the "
                  "control 1M (paper §5, Table 2)", (
         data,
         train("pretrain", "iru_pretrain.py", "gciql", *on_data, *budget.pretrain),
         train("flexloop", *post, "--lambda-depth", lambda_depth),
         train("control", *post, "--lambda-depth", "0"),
-        evaluate("eval", {"IRU-5": "{pretrain}/pretrained.pt", "FlexLoop": "{flexloop}/final.pt",
+        evaluate("eval", {"IRU-5": "{pretrain}/final.pt", "FlexLoop": "{flexloop}/final.pt",
                           "Control": "{control}/final.pt"}, *budget.eval),
     ))
 
