@@ -120,7 +120,8 @@ def check_folder(job):
     marker = job.folder / MARKER
     if not marker.exists():
         if job.folder.is_dir() and any(p.name != LOG for p in job.folder.iterdir()):
-            return f"{job.folder} holds files that reproduce.py did not write; move them away or pick another --runs-dir"
+            return (f"{job.folder} holds files that reproduce.py did not write; move them away or pick another "
+                    "--runs-dir")
         return None
     theirs, ours = json.loads(marker.read_text()), identity(job)
     if (theirs["study"], theirs["run"], theirs["seed"]) != (ours["study"], ours["run"], ours["seed"]):

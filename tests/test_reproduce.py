@@ -258,15 +258,15 @@ def check_three_invocations(args, interrupted_run, sig, expected):
     return second.stdout
 
 
-BOXPICK_ARTIFACTS = ["tiny-boxpick/control/seed1/BoxPick-Exact-4-v0/final.pt",
-                     "tiny-boxpick/control/seed1/reproduce.json",
-                     "tiny-boxpick/eval.table.md",
-                     "tiny-boxpick/eval/seed1/reproduce.json",
-                     "tiny-boxpick/eval/seed1/results.json",
-                     "tiny-boxpick/flexloop/seed1/BoxPick-Exact-4-v0/final.pt",
-                     "tiny-boxpick/flexloop/seed1/reproduce.json",
-                     "tiny-boxpick/pretrain/seed1/BoxPick-Exact-4-v0/final.pt",
-                     "tiny-boxpick/pretrain/seed1/reproduce.json"]
+def expected_artifacts(study, env_id, extra=()):
+    """The folders and files of a finished tiny study: its three training runs, the evaluation and the table."""
+    trained = ("pretrain", "flexloop", "control")
+    return sorted([f"{study}/{run}/seed1/{env_id}__{study}-{run}__1/final.pt" for run in trained]
+                  + [f"{study}/{run}/seed1/reproduce.json" for run in (*trained, "eval")]
+                  + [f"{study}/eval.table.md", f"{study}/eval/seed1/results.json", *extra])
+
+
+BOXPICK_ARTIFACTS = expected_artifacts("tiny-boxpick", "BoxPick-Exact-4-v0")
 
 
 @pytest.mark.slow
@@ -287,16 +287,8 @@ def test_boxpick_study_survives_sigterm_and_completes(tiny):
 
 @pytest.mark.slow
 def test_ogbench_study_survives_ctrl_c_and_completes(tiny):
-    expected = ["ogbench-pointmaze-large/control/seed1/pointmaze-large-stitch-v0/final.pt",
-                "ogbench-pointmaze-large/control/seed1/reproduce.json",
-                "ogbench-pointmaze-large/data/reproduce.json",
-                "ogbench-pointmaze-large/eval.table.md",
-                "ogbench-pointmaze-large/eval/seed1/reproduce.json",
-                "ogbench-pointmaze-large/eval/seed1/results.json",
-                "ogbench-pointmaze-large/flexloop/seed1/pointmaze-large-stitch-v0/final.pt",
-                "ogbench-pointmaze-large/flexloop/seed1/reproduce.json",
-                "ogbench-pointmaze-large/pretrain/seed1/pointmaze-large-stitch-v0/final.pt",
-                "ogbench-pointmaze-large/pretrain/seed1/reproduce.json"]
+    expected = expected_artifacts("ogbench-pointmaze-large", "pointmaze-large-stitch-v0",
+                                  extra=["ogbench-pointmaze-large/data/reproduce.json"])
     out = check_three_invocations(["ogbench-pointmaze-large", *tiny],
                                   tiny[3] / "ogbench-pointmaze-large" / "pretrain" / "seed1", signal.SIGINT, expected)
     assert "| FlexLoop | task1 |" in out
