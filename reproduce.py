@@ -5,7 +5,7 @@
     python reproduce.py boxpick-exact4 --gpus 0 1 --per-gpu 2   # two runs per GPU (CUDA MPS helps)
     python reproduce.py boxpick-exact4 --dry-run                # the commands, nothing run
     python reproduce.py boxpick-exact4 --slurm --partition gpu --time 240   # one SLURM job per run (submitit)
-    python reproduce.py tiny --no-cuda --workers 2 --studies my_studies.py  # your own studies, on the CPU
+    python reproduce.py mine --no-cuda --workers 2 --studies-file my_studies.py  # your own, on the CPU
 
 Each run has its own folder, runs/<study>/<run>/seed<N>/, so running the same command again finds everything: a
 finished run is skipped, an unfinished one resumes from its latest.pt, and a finished study only prints its table.
@@ -205,10 +205,10 @@ class LocalLauncher:
             self.free.append(slot)
         return status
 
-    def stop_all(self):
-        for child, _ in self.children.values():
-            if child.poll() is None:
-                os.kill(child.pid, signal.SIGTERM)  # the script writes latest.pt and exits
+    def stop(self, job):
+        child, _ = self.children[id(job)]
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGTERM)  # the script writes latest.pt and exits
 
 
 class RunToEnd:
@@ -261,8 +261,9 @@ class SubmititLauncher:
             self.executor.update_parameters(partition=cli.partition, time=cli.time, gpus_per_node=cli.gpus_per_job,
                                             cpus_per_task=cli.cpus_per_job, signal_delay_s=cli.signal_delay,
                                             additional_parameters=extra)
-        # the job unpickles studies.py's Run: it imports it from here, wherever the job starts
-        self.executor.update_parameters(setup=[f"export PYTHONPATH={shlex.quote(str(REPO))}:$PYTHONPATH"])
+        # the job unpickles studies.py's Run, so it imports studies.py from here wherever it starts (jobs inherit
+        # this environment; a `setup` line instead would put a shell between the local executor and its job)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.run_args, self.jobs = (data_dir, machine_flags, cli.track), {}
 
     def start(self, job, argv):
@@ -283,30 +284,33 @@ class SubmititLauncher:
         except Exception:  # noqa: BLE001 - submitit reports a job that died as an exception; the log says why
             return 1
 
-    def stop_all(self):
-        for submitted in self.jobs.values():
-            if getattr(submitted, "_process", None) is not None:  # the local executor: SIGTERM reaches the run
-                submitted._process.send_signal(signal.SIGTERM)
-            else:
-                submitted.cancel(check=False)  # scancel: SLURM sends SIGTERM to the run, which writes latest.pt
+    def stop(self, job):
+        submitted = self.jobs[id(job)]
+        if getattr(submitted, "_process", None) is not None:  # the local executor: SIGTERM reaches the run
+            submitted._process.send_signal(signal.SIGTERM)
+        else:
+            submitted.cancel(check=False)  # scancel: SLURM sends SIGTERM to the run, which writes latest.pt
 
 
 def schedule(jobs, launcher, data_dir, machine_flags, track, status_every):
     """Start each job once the jobs it needs are done, as the launcher has room; skip those whose needs failed.
     Returns True when a stop signal ended it."""
-    stop = []
+    stop = []  # the handler only notes the signal; the loop passes it on to every run, once each
 
     def request_stop(signum, frame):
         if not stop:
             print(f"\n{signal.Signals(signum).name}: stopping every run (each writes latest.pt); run the same "
                   "command again to go on", flush=True)
         stop.append(signum)
-        launcher.stop_all()  # signals only: the loop below waits for the runs to exit
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    running, shown, last_shown = [], None, 0.0
+    running, told, shown, last_shown = [], set(), None, 0.0
     try:
         while True:
+            for job in running:
+                if stop and id(job) not in told:
+                    launcher.stop(job)
+                    told.add(id(job))
             for job in list(running):
                 status = launcher.poll(job)
                 if status is None:
