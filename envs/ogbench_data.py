@@ -634,6 +634,13 @@ def generate_dataset(
     return train_path, val_path, stats
 
 
+def usable_cores():
+    """The cores this process may run on (a container or taskset can allow fewer than the machine has)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m envs.ogbench_data", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -643,7 +650,7 @@ def main(argv=None):
     g.add_argument("--episodes", type=int, default=None, help="train episodes (default: OGBench's 1000 or 5000)")
     g.add_argument("--episode-steps", type=int, default=None, help="states per episode (default 1001, or 201)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes (default: all cores)")
+    g.add_argument("--workers", type=int, default=usable_cores(), help="worker processes (default: every usable core)")
     g.add_argument("--val-fraction", type=float, default=0.1, help="extra val episodes as a fraction of --episodes")
     g.add_argument("--expert", default=None, help="antmaze: the trained ant expert (default "
                    "checkpoints/ant_expert/expert.pt, from `python -m envs.ant_expert train`)")
