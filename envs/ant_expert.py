@@ -353,7 +353,7 @@ def train(args):
     critic_target.load_state_dict(critic.state_dict())
     nets = (actor, critic, critic_target)
     log_alpha = torch.zeros((), device=device, requires_grad=True)  # alpha starts at 1, as OGBench's LogParam
-    optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters(), log_alpha], lr=args.lr)
+    optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters(), log_alpha], lr=args.lr, foreach=True)
     target_entropy = -args.target_entropy_multiplier * action_dim
     buffer = ReplayBuffer(min(args.buffer_size, args.total_steps), obs_dim, action_dim, device)
 

@@ -62,20 +62,21 @@ def test_sac_learns_the_direction_bandit(tmp_path):
 
 
 def test_resume_and_max_minutes_continue_the_same_run(tmp_path, capsys):
-    straight = ae.train(_bandit_args(tmp_path / "a", total_steps=400, learning_starts=100))
+    small = dict(learning_starts=50, batch_size=32, hidden_dims=(32, 32))
+    straight = ae.train(_bandit_args(tmp_path / "a", total_steps=200, **small))
 
-    ae.train(_bandit_args(tmp_path / "b", total_steps=250, learning_starts=100))
-    assert ae.train(_bandit_args(tmp_path / "b", total_steps=400, learning_starts=100, max_minutes=0.0)) is None
+    ae.train(_bandit_args(tmp_path / "b", total_steps=120, **small))
+    assert ae.train(_bandit_args(tmp_path / "b", total_steps=200, max_minutes=0.0, **small)) is None
     out = capsys.readouterr().out
-    assert "resuming" in out and "stopped (--max-minutes 0.0) at step 251" in out
-    resumed = ae.train(_bandit_args(tmp_path / "b", total_steps=400, learning_starts=100))
+    assert "resuming" in out and "stopped (--max-minutes 0.0) at step 121" in out
+    resumed = ae.train(_bandit_args(tmp_path / "b", total_steps=200, **small))
     assert "resuming" in capsys.readouterr().out
 
     # 1-step episodes: every save falls between episodes, so the pieces add up to the straight run, bit for bit
     for (name, p), q in zip(straight.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(p, q), name
     state = torch.load(tmp_path / "b" / "run" / "state.pt", weights_only=True)
-    assert state["global_step"] == 400 and state["buffer"]["rewards"].shape == (400,)
+    assert state["global_step"] == 200 and state["buffer"]["rewards"].shape == (200,)
 
 
 def test_ant_train_and_evaluate_smoke(tmp_path):
