@@ -16,6 +16,7 @@ says more, and when W&B sweeps (sweeps/) suit better.
 
 import argparse
 import difflib
+import fcntl
 import importlib.util
 import json
 import os
@@ -33,6 +34,7 @@ REPO = Path(__file__).resolve().parent
 PLACEHOLDER = re.compile(r"\{([^{}]+)\}")  # {pretrain}: where run `pretrain` of the same seed writes
 MARKER = "reproduce.json"  # in each run's folder: which study, run and seed it holds, and the command
 LOG = "log.txt"  # each run's output, appended across resumes
+SLURM_GOING = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED")
 
 
 def fail(message):
@@ -119,7 +121,7 @@ def check_folder(job):
     mix two runs."""
     marker = job.folder / MARKER
     if not marker.exists():
-        if job.folder.is_dir() and any(p.name != LOG for p in job.folder.iterdir()):
+        if job.folder.is_dir() and any(p.name not in (LOG, ".lock") for p in job.folder.iterdir()):
             return (f"{job.folder} holds files that reproduce.py did not write; move them away or pick another "
                     "--runs-dir")
         return None
@@ -170,14 +172,37 @@ def last_line(path):
 # --------------------------------------------------------------------------------------------- running the runs
 
 
-def start_child(argv, log_path, env=None):
-    """The run in a session of its own, so that a terminal's Ctrl-C reaches it once, through reproduce.py; SIGUSR2
-    ignored, since SLURM sends it to every process of a job before a time-out and submitit handles it."""
-    log = open(log_path, "a")
-    log.write(f"\n$ {' '.join(argv)}\n")
-    log.flush()
-    return subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGUSR2, signal.SIG_IGN))
+def take_lock(folder):
+    """The run's lock: taken here, then held by the process that runs it (the script inherits it), so that a second
+    reproduce.py finds a run that an earlier one left going and does not start it twice."""
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"{folder} is being run by another process (one an earlier reproduce.py started?); wait "
+                           "for it to end or stop it") from None
+    return fd
+
+
+def start_child(make_argv, folder, env=None):
+    """The run, holding its folder's lock, in a session of its own, so that a terminal's Ctrl-C reaches it once,
+    through reproduce.py; SIGUSR2 ignored, since SLURM sends it to every process of a job before a time-out, and
+    submitit handles it. The command is made once the lock is held: making it may clear an unstarted run folder."""
+    lock = take_lock(folder)
+    try:
+        argv = make_argv()
+    except RuntimeError:
+        os.close(lock)
+        raise
+    with open(folder / LOG, "a") as log:
+        log.write(f"\n$ {' '.join(argv)}\n")
+        log.flush()
+        child = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(lock,),
+                                 start_new_session=True,
+                                 preexec_fn=lambda: signal.signal(signal.SIGUSR2, signal.SIG_IGN))
+    os.close(lock)
+    return child
 
 
 class LocalLauncher:
@@ -186,24 +211,24 @@ class LocalLauncher:
     def __init__(self, slots):
         self.free, self.children = list(slots), {}
 
-    def start(self, job, argv):
-        slot = self.free.pop(0)
+    def start(self, job, make_argv):
+        slot = self.free[0]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="" if slot is None else str(slot[0]))
         env.setdefault("OMP_NUM_THREADS", "1")  # small networks: one thread per run is fastest
-        self.children[id(job)] = (start_child(argv, job.folder / LOG, env), slot)
+        self.children[id(job)] = (start_child(make_argv, job.folder, env), self.free.pop(0))
         job.where = "cpu" if slot is None else f"gpu {slot[0]}"
 
     def has_room(self):
         return bool(self.free)
 
     def poll(self, job):
-        """None while the run goes on, else its exit status."""
+        """None while the run goes on, else how it ended."""
         child, slot = self.children[id(job)]
-        status = child.poll()
-        if status is not None:
-            del self.children[id(job)]
-            self.free.append(slot)
-        return status
+        if child.poll() is None:
+            return None
+        del self.children[id(job)]
+        self.free.append(slot)
+        return f"exit status {child.returncode}"
 
     def stop(self, job):
         child, _ = self.children[id(job)]
@@ -222,8 +247,13 @@ class RunToEnd:
     def __call__(self):
         # SIGTERM (scancel, or reproduce.py stopping the study) goes on to the run, which writes latest.pt
         signal.signal(signal.SIGTERM, lambda *_: self.child and os.kill(self.child.pid, signal.SIGTERM))
-        self.child = start_child(command(self.job, self.data_dir, self.machine_flags, self.track),
-                                 self.job.folder / LOG)
+        try:
+            self.child = start_child(lambda: command(self.job, self.data_dir, self.machine_flags, self.track),
+                                     self.job.folder)
+        except RuntimeError as error:  # into the run's log, where reproduce.py reads why a run failed
+            with open(self.job.folder / LOG, "a") as log:
+                log.write(f"\nreproduce.py: {error}\n")
+            raise
         while self.child.poll() is None:  # poll, not wait(): checkpoint() may run in between, in this thread
             time.sleep(1)
         return self.child.returncode
@@ -247,7 +277,8 @@ class SubmititLauncher:
             import submitit
         except ImportError:
             fail("--slurm needs submitit: pip install 'submitit>=1.5' (or pip install -e '.[slurm]')")
-        logs = Path(cli.slurm_logs).resolve()
+        self.submitit, self.cluster = submitit, not cli.slurm_local
+        self.logs = logs = Path(cli.slurm_logs).resolve()
         if cli.slurm_local:
             self.executor = submitit.LocalExecutor(folder=logs, max_num_timeout=cli.max_requeues)
             self.executor.update_parameters(timeout_min=cli.time, gpus_per_node=cli.gpus_per_job,
@@ -258,7 +289,7 @@ class SubmititLauncher:
                      "--slurm-local)")
             self.executor = submitit.SlurmExecutor(folder=logs, max_num_timeout=cli.max_requeues)
             extra = dict(item.split("=", 1) for item in cli.slurm_arg)
-            self.executor.update_parameters(partition=cli.partition, time=cli.time, gpus_per_node=cli.gpus_per_job,
+            self.executor.update_parameters(partition=cli.partition, time=int(cli.time), gpus_per_node=cli.gpus_per_job,
                                             cpus_per_task=cli.cpus_per_job, signal_delay_s=cli.signal_delay,
                                             additional_parameters=extra)
         # the job unpickles studies.py's Run, so it imports studies.py from here wherever it starts (jobs inherit
@@ -266,23 +297,33 @@ class SubmititLauncher:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.run_args, self.jobs = (data_dir, machine_flags, cli.track), {}
 
-    def start(self, job, argv):
+    def start(self, job, make_argv):  # the job makes its command when it starts (again, after a requeue)
+        job_id_file = job.folder / "slurm_job_id"
+        if self.cluster and job_id_file.exists():  # submitted by an earlier reproduce.py: follow it if it goes on
+            earlier = self.submitit.SlurmJob(folder=self.logs, job_id=job_id_file.read_text().strip())
+            if earlier.state in SLURM_GOING:
+                self.jobs[id(job)], job.where = earlier, f"job {earlier.job_id}"
+                return
         self.executor.update_parameters(job_name=job.name.replace(" ", "-").replace("/", "-"))
         self.jobs[id(job)] = self.executor.submit(RunToEnd(job, *self.run_args))
         job.where = f"job {self.jobs[id(job)].job_id}"
+        if self.cluster:
+            job_id_file.write_text(self.jobs[id(job)].job_id)
 
     def has_room(self):
         return True  # the cluster queues them
 
     def poll(self, job):
+        """None while the job is queued or running (or requeued), else how it ended. Whether the run finished is read
+        from its files, and why it did not from its log, so submitit's result file is not waited for."""
         submitted = self.jobs[id(job)]
         if not submitted.done():
             return None
         del self.jobs[id(job)]
-        try:
-            return submitted.result()
-        except Exception:  # noqa: BLE001 - submitit reports a job that died as an exception; the log says why
-            return 1
+        if not last_line(job.folder / LOG):  # it failed before the run started: submitit's log says why
+            with open(job.folder / LOG, "a") as log:
+                log.write(f"submitit: {last_line(submitted.paths.stderr)}\n")
+        return f"job {submitted.job_id} ended"
 
     def stop(self, job):
         submitted = self.jobs[id(job)]
@@ -312,8 +353,8 @@ def schedule(jobs, launcher, data_dir, machine_flags, track, status_every):
                     launcher.stop(job)
                     told.add(id(job))
             for job in list(running):
-                status = launcher.poll(job)
-                if status is None:
+                ended = launcher.poll(job)
+                if ended is None:
                     job.detail = last_line(job.folder / LOG)
                     continue
                 running.remove(job)
@@ -323,7 +364,7 @@ def schedule(jobs, launcher, data_dir, machine_flags, track, status_every):
                     job.state, job.detail = "stopped", "latest.pt written" if job.run.kind == "train" else ""
                 else:
                     job.state = "failed"
-                    job.detail = f"exit status {status}: {last_line(job.folder / LOG)} (log: {job.folder / LOG})"
+                    job.detail = f"{ended}: {last_line(job.folder / LOG)} (log: {job.folder / LOG})"
             for job in jobs:
                 if job.state == "queued" and any(n.state in ("failed", "skipped") for n in job.needs):
                     job.state, job.detail = "skipped", "needs " + ", ".join(
@@ -333,11 +374,10 @@ def schedule(jobs, launcher, data_dir, machine_flags, track, status_every):
                     job.folder.mkdir(parents=True, exist_ok=True)
                     (job.folder / MARKER).write_text(json.dumps(identity(job), indent=1))
                     try:
-                        argv = command(job, data_dir, machine_flags, track)
+                        launcher.start(job, lambda job=job: command(job, data_dir, machine_flags, track))
                     except RuntimeError as error:
                         job.state, job.detail = "failed", str(error)
                         continue
-                    launcher.start(job, argv)
                     job.state = "running"
                     running.append(job)
             states = [(job.state, job.detail if job.state != "running" else "") for job in jobs]

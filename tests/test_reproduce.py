@@ -5,6 +5,7 @@ The end-to-end tests run tiny versions of real studies: studies.py's own builder
 tiny Budget, read by reproduce.py from a studies file of the test's, as a user's own grid would be."""
 
 import dataclasses
+import fcntl
 import json
 import os
 import re
@@ -179,33 +180,55 @@ def test_slurm_without_submitit_or_sbatch(tmp_path):
                              env={**ENV, "PATH": os.path.dirname(sys.executable)}), "no sbatch")
 
 
-def test_a_failed_run_is_reported_its_dependents_skipped_and_the_others_go_on(tmp_path):
-    """Runs of the data kind (done when their files exist) with stand-in commands, so that this needs no torch."""
-    (tmp_path / "failing.py").write_text('''
+STAND_IN_STUDIES = '''
 from studies import Run, Study
 
 def make(name, code, *needs):
+    """A run of the data kind (done when its file is in --data-dir), with a stand-in command instead of a script."""
     return Run(name, "data", ("-c", code, *(f"{{{need}}}" for need in needs)), per_seed=False, creates=(name,))
 
-WRITE = "import sys, pathlib; pathlib.Path(sys.argv[-1] if len(sys.argv) > 1 else '.').mkdir(exist_ok=True)"
-STUDIES = {"failing": Study("failing", "a failing run", (
-    make("good", "import pathlib, os; pathlib.Path(os.environ['DATA'], 'good').touch()"),
+def touch(name):
+    return f"import os, pathlib; pathlib.Path(os.environ['DATA'], '{name}').touch()"
+
+STUDIES = {"failing": Study("failing", "a run that fails, one that needs it, and two that do not", (
+    make("good", touch("good")),
     make("bad", "raise SystemExit('bad: the dataset is broken')"),
-    make("after-bad", "import pathlib, os; pathlib.Path(os.environ['DATA'], 'after-bad').touch()", "bad"),
-    make("after-good", "import pathlib, os; pathlib.Path(os.environ['DATA'], 'after-good').touch()", "good"),
-))}
-''')
+    make("after-bad", touch("after-bad"), "bad"),
+    make("after-good", touch("after-good"), "good"),
+)), "one": Study("one", "one run", (make("one", touch("one")),))}
+'''
+
+
+def stand_in(tmp_path, study):
+    """Run a study of stand-in runs, which need no torch."""
+    (tmp_path / "stand_in.py").write_text(STAND_IN_STUDIES)
     data = tmp_path / "data"
-    data.mkdir()
-    result = reproduce("failing", "--studies-file", tmp_path / "failing.py", "--runs-dir", tmp_path / "runs",
-                       "--data-dir", data, "--no-cuda", "--workers", "2", env={**ENV, "DATA": str(data)})
+    data.mkdir(exist_ok=True)
+    return reproduce(study, "--studies-file", tmp_path / "stand_in.py", "--runs-dir", tmp_path / "runs",
+                     "--data-dir", data, "--no-cuda", "--workers", "2", env={**ENV, "DATA": str(data)})
+
+
+def test_a_failed_run_is_reported_its_dependents_skipped_and_the_others_go_on(tmp_path):
+    result = stand_in(tmp_path, "failing")
     assert result.returncode == 1
     final = result.stdout.split("\n\n")[-1]
     assert re.search(r"failing/bad +failed +exit status 1: bad: the dataset is broken", final), result.stdout
     assert re.search(r"failing/after-bad +skipped +needs failing/bad\n", final)
     assert re.search(r"failing/after-good +done", final)
-    assert sorted(p.name for p in data.iterdir()) == ["after-good", "good"]
+    assert sorted(path.name for path in (tmp_path / "data").iterdir()) == ["after-good", "good"]
     assert "failing/bad: failed; failing/after-bad: skipped" in result.stderr
+
+
+def test_a_run_that_an_earlier_invocation_left_going_is_not_started_twice(tmp_path):
+    assert stand_in(tmp_path, "one").returncode == 0
+    (tmp_path / "data" / "one").unlink()  # as if it had not finished
+    lock = os.open(tmp_path / "runs" / "one" / "one" / ".lock", os.O_RDWR)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # held, as the earlier run's script holds it
+    result = stand_in(tmp_path, "one")
+    assert result.returncode == 1
+    assert re.search(r"one/one +failed +.* is being run by another process", result.stdout), result.stdout
+    os.close(lock)
+    assert stand_in(tmp_path, "one").returncode == 0
 
 
 # ------------------------------------------------------------------------------------------------ end to end
@@ -298,13 +321,15 @@ def test_ogbench_study_survives_ctrl_c_and_completes(tiny):
 
 @pytest.mark.slow
 def test_submitit_local_executor_requeues_on_timeout_and_survives_sigterm(tiny, tmp_path):
-    """submitit's local executor: the first job times out (USR2 20 s in, submitit's checkpoint hook stops the run,
-    which writes latest.pt, and requeues it, and the requeued job resumes), then the whole study is stopped with
-    SIGTERM, and the next invocations complete it and print its table."""
+    """submitit's local executor: the study is stopped with SIGTERM once the pretraining has written latest.pt; the
+    next invocation's pretraining job times out (USR2 60 s in: submitit's checkpoint hook stops the run, which
+    writes latest.pt, and requeues the job, which resumes) and the study completes; a third prints its table."""
     pytest.importorskip("submitit")
-    (tmp_path / "tiny_studies.py").write_text(TINY_STUDIES.replace("PRETRAIN_EPOCHS", "40"))
-    args = ["tiny-boxpick", *tiny, "--slurm-local", "--time", "1", "--signal-delay", "40",
+    (tmp_path / "tiny_studies.py").write_text(TINY_STUDIES.replace("PRETRAIN_EPOCHS", "250"))  # over 60 s
+    args = ["tiny-boxpick", *tiny, "--slurm-local", "--time", "3", "--signal-delay", "120",
             "--slurm-logs", tmp_path / "slurm-logs"]
     check_three_invocations(args, tiny[3] / "tiny-boxpick" / "pretrain" / "seed1", signal.SIGTERM, BOXPICK_ARTIFACTS)
     log = (tiny[3] / "tiny-boxpick" / "pretrain" / "seed1" / "log.txt").read_text()
-    assert log.count("--resume") >= 2  # resumed after the time-out's requeue, and after the SIGTERM
+    assert log.count("--resume") >= 2  # resumed after the SIGTERM, and after the time-out's requeue
+    submitit_logs = "".join(path.read_text() for path in (tmp_path / "slurm-logs").glob("*_log.out"))
+    assert "Calling checkpoint method" in submitit_logs and "Requeued job" in submitit_logs
