@@ -245,8 +245,9 @@ class RunToEnd:
         self.child = None
 
     def __call__(self):
-        # SIGTERM (scancel, or reproduce.py stopping the study) goes on to the run, which writes latest.pt
-        signal.signal(signal.SIGTERM, lambda *_: self.child and os.kill(self.child.pid, signal.SIGTERM))
+        if is_done(self.job, self.data_dir):  # requeued just as it finished
+            return 0
+        signal.signal(signal.SIGTERM, self.stop_run)  # scancel, or reproduce.py stopping the study
         try:
             self.child = start_child(lambda: command(self.job, self.data_dir, self.machine_flags, self.track),
                                      self.job.folder)
@@ -258,13 +259,20 @@ class RunToEnd:
             time.sleep(1)
         return self.child.returncode
 
+    def stop_run(self, *_):
+        """SIGTERM to the run, which writes latest.pt and exits."""
+        try:
+            os.kill(self.child.pid, signal.SIGTERM)
+        except (AttributeError, ProcessLookupError):  # not started yet, or already gone
+            pass
+
     def checkpoint(self, *args):
         import submitit
         if self.child is not None:
-            os.kill(self.child.pid, signal.SIGTERM)
+            self.stop_run()
             try:  # the pid, not Popen.wait(): this handler may interrupt a poll() holding Popen's lock
                 os.waitpid(self.child.pid, 0)
-            except ChildProcessError:
+            except ChildProcessError:  # already reaped by that poll()
                 pass
         return submitit.helpers.DelayedSubmission(RunToEnd(self.job, self.data_dir, self.machine_flags, self.track))
 
@@ -289,9 +297,9 @@ class SubmititLauncher:
                      "--slurm-local)")
             self.executor = submitit.SlurmExecutor(folder=logs, max_num_timeout=cli.max_requeues)
             extra = dict(item.split("=", 1) for item in cli.slurm_arg)
-            self.executor.update_parameters(partition=cli.partition, time=int(cli.time), gpus_per_node=cli.gpus_per_job,
-                                            cpus_per_task=cli.cpus_per_job, signal_delay_s=cli.signal_delay,
-                                            additional_parameters=extra)
+            self.executor.update_parameters(partition=cli.partition, time=int(cli.time),
+                                            gpus_per_node=cli.gpus_per_job, cpus_per_task=cli.cpus_per_job,
+                                            signal_delay_s=cli.signal_delay, additional_parameters=extra)
         # the job unpickles studies.py's Run, so it imports studies.py from here wherever it starts (jobs inherit
         # this environment; a `setup` line instead would put a shell between the local executor and its job)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
