@@ -558,6 +558,25 @@ def check_expert(env_name, expert_path):
     return info["env_steps"]
 
 
+def waypoint_success(env_name, episodes=20, episode_steps=None, seed=12345, expert_path=None):
+    """The collector's own check, without writing files: the fraction of stitch episodes (start, goal 4 cells
+    away, noisy waypoint following, as generation runs them) that reach their goal at some step, and that are
+    at the goal at their last step."""
+    if get_spec(env_name).family != "navigation":
+        raise ValueError(f"{env_name} is not a maze dataset")
+    episode_steps = episode_steps or DATASETS[env_name].gen_episode_steps
+    if env_name.startswith("antmaze"):
+        from envs.ant_expert import DEFAULT_EXPERT_PATH
+
+        expert_path = os.path.abspath(os.path.expanduser(expert_path or DEFAULT_EXPERT_PATH))
+        check_expert(env_name, expert_path)
+    else:
+        expert_path = None
+    seeds = [int(np.random.SeedSequence([seed, e]).generate_state(1)[0]) for e in range(episodes)]
+    stats = [_collect_episode((env_name, episode_steps, expert_path, s))[1] for s in seeds]
+    return {key: float(np.mean([st[key] for st in stats])) for key in stats[0]}
+
+
 def generate_dataset(
     env_name,
     out_dir,

@@ -360,6 +360,14 @@ def test_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # neither file, nor a .tmp, under any name
 
 
+def test_pointmaze_oracle_reaches_its_stitch_goals():
+    # the collector's check: noisy waypoint following reaches goals 4 cells away within the 201-step episodes
+    stats = od.waypoint_success(PM, episodes=6)
+    assert stats["reached"] >= 0.8 and 0.0 <= stats["at_goal_at_end"] <= stats["reached"]
+    with pytest.raises(ValueError, match="not a maze"):
+        od.waypoint_success(CUBE)
+
+
 # ------------------------------------------------------------------------------------------------------- antmaze
 
 ANT = "antmaze-medium-stitch-v0"
