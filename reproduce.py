@@ -214,7 +214,8 @@ class LocalLauncher:
     def start(self, job, make_argv):
         slot = self.free[0]
         # nvidia-smi's numbering (PCI order), which --gpus uses, not CUDA's default fastest-first
-        env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES="" if slot is None else str(slot[0]))
+        env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID",
+                   CUDA_VISIBLE_DEVICES="" if slot is None else str(slot[0]))
         env.setdefault("OMP_NUM_THREADS", "1")  # small networks: one thread per run is fastest
         self.children[id(job)] = (start_child(make_argv, job.folder, env), self.free.pop(0))
         job.where = "cpu" if slot is None else f"gpu {slot[0]}"
