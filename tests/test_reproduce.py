@@ -190,22 +190,27 @@ def make(name, code, *needs):
 def touch(name):
     return f"import os, pathlib; pathlib.Path(os.environ['DATA'], '{name}').touch()"
 
+def record_gpu(name):
+    return (f"import os, pathlib, time; time.sleep(2); "
+            f"pathlib.Path(os.environ['DATA'], '{name}').write_text(os.environ['CUDA_VISIBLE_DEVICES'])")
+
 STUDIES = {"failing": Study("failing", "a run that fails, one that needs it, and two that do not", (
     make("good", touch("good")),
     make("bad", "raise SystemExit('bad: the dataset is broken')"),
     make("after-bad", touch("after-bad"), "bad"),
     make("after-good", touch("after-good"), "good"),
-)), "one": Study("one", "one run", (make("one", touch("one")),))}
+)), "one": Study("one", "one run", (make("one", touch("one")),)),
+    "gpus": Study("gpus", "four runs at once", tuple(make(name, record_gpu(name)) for name in "abcd"))}
 '''
 
 
-def stand_in(tmp_path, study):
+def stand_in(tmp_path, study, *flags, env=ENV):
     """Run a study of stand-in runs, which need no torch."""
     (tmp_path / "stand_in.py").write_text(STAND_IN_STUDIES)
     data = tmp_path / "data"
     data.mkdir(exist_ok=True)
     return reproduce(study, "--studies-file", tmp_path / "stand_in.py", "--runs-dir", tmp_path / "runs",
-                     "--data-dir", data, "--no-cuda", "--workers", "2", env={**ENV, "DATA": str(data)})
+                     "--data-dir", data, *(flags or ("--no-cuda", "--workers", "2")), env={**env, "DATA": str(data)})
 
 
 def test_a_failed_run_is_reported_its_dependents_skipped_and_the_others_go_on(tmp_path):
@@ -217,6 +222,19 @@ def test_a_failed_run_is_reported_its_dependents_skipped_and_the_others_go_on(tm
     assert re.search(r"failing/after-good +done", final)
     assert sorted(path.name for path in (tmp_path / "data").iterdir()) == ["after-good", "good"]
     assert "failing/bad: failed; failing/after-bad: skipped" in result.stderr
+
+
+def test_runs_spread_over_the_gpus_several_per_gpu(tmp_path):
+    fake = tmp_path / "bin" / "nvidia-smi"  # a machine with GPUs 0, 1 and 2
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nprintf '0\\n1\\n2\\n'\n")
+    fake.chmod(0o755)
+    result = stand_in(tmp_path, "gpus", "--gpus", "0", "2", "--per-gpu", "2",
+                      env={**ENV, "PATH": f"{fake.parent}:{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    used = sorted((tmp_path / "data" / name).read_text() for name in "abcd")
+    assert used == ["0", "0", "2", "2"]  # each run sees its GPU alone, two runs on each
+    assert re.search(r"4 running\n(.*running +gpu [02].*\n){4}", result.stdout), result.stdout
 
 
 def test_a_run_that_an_earlier_invocation_left_going_is_not_started_twice(tmp_path):
