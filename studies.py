@@ -10,7 +10,8 @@ How to read a study:
   So "--init-checkpoint {pretrain}/final.pt" starts a run from the pretraining's checkpoint (iru_pretrain.py's
   final.pt is the IRU-K at the end of pretraining), and the run waits until `pretrain` has finished. Nothing else
   orders the runs. A run's own name is its own output: the dataset's --out.
-- Every evaluation (eval_adaptive.py) feeds one table: bench/seed_table.py over the seeds' results.json.
+- Every evaluation (eval_adaptive.py) feeds one table over the seeds' results.json: bench/seed_table.py's, or
+  for OGBench's tasks (which seed_table.py does not read) reproduce.py's own, per task.
 - A run with `home` set is another study's run, shared: it lives in that study's folder and runs once for both
   (the ablations post-train the IRU-5 of boxpick-exact4, and compare with its FlexLoop).
 - Budgets are written out, not left to the scripts' defaults, so that a study says what it runs. A Budget holds the
@@ -30,7 +31,7 @@ class Run:
     command: tuple  # python's arguments: a script or -m module, then its flags
     home: str = None  # the study whose folder holds this run, when it is another study's (shared)
     per_seed: bool = True  # False: one run for every seed (a dataset)
-    creates: tuple = ()  # data runs: the files that say it is done, relative to its folder
+    creates: tuple = ()  # data runs: the files in the dataset folder (--data-dir) that say it is done
 
 
 @dataclass(frozen=True)
