@@ -354,7 +354,7 @@ _WORKER = {}  # per-process env, oracles and expert, built once per worker
 
 
 def _worker_setup(env_name, episode_steps, expert_path):
-    key = (env_name, episode_steps, expert_path)
+    key = (env_name, episode_steps, expert_path, expert_path and os.path.getmtime(expert_path))  # a new expert file
     if _WORKER.get("key") == key:
         return _WORKER
     import gymnasium
