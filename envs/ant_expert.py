@@ -209,9 +209,9 @@ class ReplayBuffer:
         return {key: value[order.to(value.device)].cpu() for key, value in self.data.items()}
 
     def load_state_dict(self, state):
-        n = len(state["rewards"])
+        n = min(len(state["rewards"]), self.capacity)  # a smaller buffer keeps the newest transitions
         for key, value in state.items():
-            self.data[key][:n] = value.to(self.data[key].device)
+            self.data[key][:n] = value[len(value) - n:].to(self.data[key].device)
         self.size, self.pos = n, n % self.capacity
 
 
@@ -367,6 +367,9 @@ def train(args):
         s = torch.load(state_path, map_location="cpu", weights_only=True)
         if s.get("format") != STATE_FORMAT or s["args"]["env_id"] != args.env_id:
             raise SystemExit(f"error: {state_path} is not a {args.env_id} expert run; pick another --run-dir")
+        if tuple(s["args"]["hidden_dims"]) != tuple(args.hidden_dims):
+            raise SystemExit(f"error: {state_path} has hidden dims {tuple(s['args']['hidden_dims'])}, not "
+                             f"{tuple(args.hidden_dims)}; pass the same --hidden-dims or another --run-dir")
         actor.load_state_dict(s["actor"])
         critic.load_state_dict(s["critic"])
         critic_target.load_state_dict(s["critic_target"])

@@ -77,6 +77,8 @@ def test_resume_and_max_minutes_continue_the_same_run(tmp_path, capsys):
         assert torch.equal(p, q), name
     state = torch.load(tmp_path / "b" / "run" / "state.pt", weights_only=True)
     assert state["global_step"] == 200 and state["buffer"]["rewards"].shape == (200,)
+    with pytest.raises(SystemExit, match="hidden dims"):  # a run is resumed with its own network, or not at all
+        ae.train(_bandit_args(tmp_path / "b", total_steps=300, learning_starts=50, hidden_dims=(16,)))
 
 
 def test_ant_train_and_evaluate_smoke(tmp_path):
