@@ -298,6 +298,8 @@ class SubmititLauncher:
                 fail("--slurm found no sbatch on this machine; run it on the cluster's login node (or try "
                      "--slurm-local)")
             self.executor = submitit.SlurmExecutor(folder=logs, max_num_timeout=cli.max_requeues)
+            if not all("=" in item for item in cli.slurm_arg):
+                fail(f"--slurm-arg {' '.join(cli.slurm_arg)}: give each as KEY=VALUE, e.g. account=abc")
             extra = dict(item.split("=", 1) for item in cli.slurm_arg)
             self.executor.update_parameters(partition=cli.partition, time=int(cli.time),
                                             gpus_per_node=cli.gpus_per_job, cpus_per_task=cli.cpus_per_job,
@@ -486,7 +488,7 @@ def parse(argv):
     parser.add_argument("studies", nargs="*", help="the studies to run (--list names them)")
     parser.add_argument("--list", action="store_true", help="name the studies and exit")
     parser.add_argument("--dry-run", action="store_true", help="print each run's state and command; run nothing")
-    parser.add_argument("--seeds", type=int, nargs="+", help="the seeds (default: each study's, 1 2 3)")
+    parser.add_argument("--seeds", type=int, nargs="+", metavar="N", help="the seeds (default: each study's, 1 2 3)")
     parser.add_argument("--runs-dir", default="runs", help="the runs go to <runs-dir>/<study>/<run>/seed<N>/")
     parser.add_argument("--data-dir", default="~/.ogbench/data", help="OGBench datasets: used where present "
                         "(downloaded), generated there where missing")
@@ -495,7 +497,7 @@ def parse(argv):
     parser.add_argument("--track", action="store_true", help="log every run to W&B, grouped by study")
     parser.add_argument("--status-every", type=float, default=300, help="reprint the status table this often (s)")
     local = parser.add_argument_group("this machine")
-    local.add_argument("--gpus", type=int, nargs="+", help="the GPUs to use (default: every GPU nvidia-smi lists)")
+    local.add_argument("--gpus", type=int, nargs="+", metavar="ID", help="the GPUs to use (default: every GPU nvidia-smi lists)")
     local.add_argument("--per-gpu", type=int, default=1, help="runs per GPU at once")
     local.add_argument("--no-cuda", action="store_true", help="run on the CPU (tests, tiny studies)")
     local.add_argument("--workers", type=int, default=1, help="with --no-cuda: runs at once")
