@@ -31,7 +31,7 @@ SIZE = ("--num-envs", "16", "--batch-size", "16", "--updates-per-rollout", "3", 
 BOXPICK = studies.Budget(pretrain=(*SIZE, "--pretrain-epochs", "PRETRAIN_EPOCHS"), post=(*SIZE, "--num-epochs", "2"),
                          eval=("--num-eval-envs", "8", "--eps", "0", "0.1", "--trace-frames", "2"))
 OG_SIZE = ("--depth", "2", "--hidden-dim", "16", "--batch-size", "32", "--log-every", "2", "--save-every", "2",
-           "--eval-episodes", "0")
+           "--eval-episodes", "0", "--eval-envs", "1", "--no-eval-async")  # eval_adaptive.py takes the last two
 OGBENCH = studies.Budget(pretrain=(*OG_SIZE, "--pretrain-steps", "200"), post=(*OG_SIZE, "--total-steps", "6"),
                          eval=("--num-eval-envs", "1", "--eps", "0", "0.1"),
                          data=("--episodes", "8", "--episode-steps", "60", "--workers", "1", "--no-progress"))
@@ -40,7 +40,7 @@ STUDIES = {study.name: study for study in [studies.boxpick_main("exact4", BOXPIC
 '''
 
 
-def reproduce(*args, env=ENV, timeout=600):
+def reproduce(*args, env=ENV, timeout=1800):
     return subprocess.run([sys.executable, "reproduce.py", *map(str, args)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
