@@ -19,17 +19,14 @@ the script's own divergence with the deeper policy first: the direction of its t
 (for GC-DQN delta_k = KL(pi_k || pi_{k-1})). The paper writes D(pi_{k-1}, pi_k) for a generic D. delta_k is clamped
 at 0 (a KL of equal policies can round to -1e-9), so eps = 0 always runs to K. With k_min = 0, delta_1 compares
 pi_1 with pi_0 = decide(start(obs, goal)), the depth-0 decision.
+
+A copy of a script whose loss changes: this stopping rule calls the copy's network's `divergence` method, so changing
+that method changes the rule. Keep it the D of your depth loss, so that training and stopping measure the same thing.
 """
 
-import gc
-import hashlib
-import importlib.machinery
-import importlib.util
 import json
 import math
 import os
-import re
-import sys
 import textwrap
 import time
 import traceback
@@ -39,13 +36,12 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
-import tyro
 from tqdm.auto import tqdm
 
 import envs
 from envs.ogbench_data import DATASETS as OGBENCH_DATASETS
 # Safe checkpoint reading and one-line errors are the scripts' run plumbing (the same in every flexloop_*.py).
-from flexloop_gcdqn import NoGPUError, errors_in_one_line, read_checkpoint_file
+import flexloop_run
 
 # The paper's eps grids (REFERENCE.md §5, appendix "Pareto Curve").
 EPS_GRIDS = {
@@ -68,7 +64,7 @@ def paper_anchor(env_id, split):
 
 
 @dataclass
-class Args:
+class ExperimentArgs:
     checkpoints: tuple[str, ...] = ()
     """checkpoint files to evaluate, all on one env (e.g. runs/X/pretrained.pt runs/X/final.pt)"""
     labels: tuple[str, ...] = ()
@@ -101,7 +97,9 @@ class Args:
     debug: bool = False
     """show the full traceback of an error (also FLEXLOOP_DEBUG=1)"""
 
-    # Evaluation
+
+@dataclass
+class EvaluationArgs:
     num_eval_envs: Optional[int] = None
     """envs per split (default: BoxPick 1024, LightsOut 128) or episodes per task (OGBench, default 50)"""
     eps: tuple[float, ...] = ()
@@ -117,7 +115,10 @@ class Args:
     skip_eval: bool = False
     """run only the wall-clock stress test (needs --stress-eps)"""
 
-    # Wall-clock stress test (BoxPick, gcdqn checkpoints)
+
+@dataclass
+class StressArgs:
+    """The wall-clock stress test (BoxPick, gcdqn checkpoints)."""
     stress_envs: tuple[int, ...] = ()
     """parallel envs of the stress test, e.g. 1024 32768 (empty: no stress test)"""
     stress_env_id: Optional[str] = None
@@ -146,6 +147,11 @@ class Args:
     """torch.compile the network's advance and decide (every mode, the baseline included)"""
     cuda_graph: bool = True
     """replay each whole env step from a CUDA graph (GPU only); compact mode captures one graph per bucket sizes"""
+
+
+@dataclass
+class Args(StressArgs, EvaluationArgs, ExperimentArgs):
+    """Every flag, flat (args.eps). --help shows them in the groups above."""
 
 
 def check_args(args: Args):
@@ -181,7 +187,7 @@ def check_args(args: Args):
     if args.skip_eval and args.stress_eps is None:
         raise ValueError("--skip-eval has no calibrated eps for the stress test; pass --stress-eps (e.g. 0.02)")
     if args.require_cuda and not torch.cuda.is_available():
-        raise NoGPUError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
+        raise flexloop_run.NoGPUError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
 
 
 def labels_for(args: Args):
@@ -198,79 +204,6 @@ def check_k_min(k_min, depth, label):
     if not 0 <= k_min < depth:
         raise ValueError(f"--k-min {k_min} must satisfy 0 <= k_min < K = {depth} for checkpoint {label}; "
                          f"pass --k-min between 0 and {depth - 1}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Loading: a checkpoint's network is rebuilt by the FlexLoop script that wrote it (its "script" entry), found next
-# to the checkpoint's run or on the import path, or by --script. A checkpoint never chooses which code runs: only a
-# file that is a FlexLoop script, which its text shows before anything is imported from it, is imported.
-# ---------------------------------------------------------------------------------------------------------
-FLEXLOOP_SCRIPT_LINE = re.compile(r'^FLEXLOOP_SCRIPT = "flexloop-script-v1"', re.MULTILINE)
-
-
-def is_flexloop_script(path):
-    """Whether `path` is a FlexLoop script, read as text (never imported): a .py file holding the line
-    FLEXLOOP_SCRIPT = "flexloop-script-v1", which the run plumbing of every flexloop_*.py (and of a copy) carries."""
-    path = Path(path)
-    try:
-        return path.suffix == ".py" and path.is_file() and FLEXLOOP_SCRIPT_LINE.search(path.read_text(errors="replace"))
-    except OSError:
-        return False
-
-
-def find_script(name, checkpoint_path):
-    """The file of the script a checkpoint names: <name>.py next to the checkpoint's run (in its folder or the two
-    above it, where runs/ usually sits), else the module <name> on the import path (found, not imported)."""
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
-        raise ValueError(f"checkpoint {checkpoint_path} names the script {name!r}, which is not a Python module name; "
-                         "pass --script PATH to the FlexLoop script that wrote it")
-    run = Path(checkpoint_path).resolve().parent
-    for folder in (run, run.parent, run.parent.parent):
-        if (folder / f"{name}.py").is_file():
-            return folder / f"{name}.py"
-    spec = importlib.machinery.PathFinder.find_spec(name)
-    if spec is not None and spec.origin not in (None, "built-in", "frozen"):
-        return Path(spec.origin)
-    raise ModuleNotFoundError(f"checkpoint {checkpoint_path} was written by {name}.py, which is neither next to its "
-                              f"run nor on the import path; pass --script PATH/TO/{name}.py")
-
-
-def import_script(path):
-    """The module of a FlexLoop script file. Anything else is refused before it is imported. A script that is
-    already imported from the same file is that module; a copy with the same name is imported beside it."""
-    path = Path(path).resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"script {path} does not exist")
-    if not is_flexloop_script(path):
-        raise ValueError(f"{path} is not a FlexLoop script (a .py file with the line FLEXLOOP_SCRIPT = "
-                         '"flexloop-script-v1"), so nothing was imported from it; use a flexloop_*.py or your copy of '
-                         "one (eval_adaptive.py: --script PATH)")
-    name = path.stem
-    loaded = sys.modules.get(name)
-    if loaded is not None and Path(getattr(loaded, "__file__", None) or "").resolve() == path:
-        return loaded
-    if loaded is not None:
-        name = f"{name}__{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the script runs
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def load_any_checkpoint(path, script=None):
-    """The module of the script that rebuilds a checkpoint's network (`script`, else the one the checkpoint names)
-    and the checkpoint, loaded by that script's own load_checkpoint (weights_only)."""
-    peek = read_checkpoint_file(path)
-    if not isinstance(peek, dict) or "algorithm" not in peek:
-        raise ValueError(f"{path} is not a FlexLoop checkpoint (no 'algorithm' entry)")
-    name = peek.get("script") or f"flexloop_{peek['algorithm']}"  # the first format named only the algorithm
-    module = import_script(script if script is not None else find_script(name, path))
-    return module, module.load_checkpoint(path)
 
 
 def adapter_for(env_id):
@@ -775,34 +708,6 @@ def bucket_sizes(recent_counts, batch, margin, min_shrink):
 # ---------------------------------------------------------------------------------------------------------
 # Wall-clock stress test: whole env steps (policy, act, env.step), CUDA-synchronised.
 # ---------------------------------------------------------------------------------------------------------
-def capture_graph(fn, generators, pool=None):
-    """fn() recorded in a CUDA graph after a warm-up on a side stream (torch.cuda.graphs' rule).
-
-    The compact stepper captures new graphs mid-run, after earlier checkpoints' graphs and pinned buffers became
-    garbage. With the default global capture mode and the garbage collector free to run inside a capture, the fifth
-    checkpoint of a five-checkpoint stress test failed its capture (cudaErrorStreamCaptureInvalidated) on an H200;
-    collecting first, pausing the collector and a thread-local capture mode each avoided it, so both are used."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    for generator in generators:
-        graph.register_generator_state(generator)
-    collector_was_on = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            fn()
-    finally:
-        if collector_was_on:
-            gc.enable()
-    return graph
-
-
 MAX_POLICY_GRAPHS = 64  # distinct bucket sizes captured per stepper, at most
 
 
@@ -842,11 +747,11 @@ class StressStepper:
         if use_graph:
             generators = [self.generator, self.env.generator]
             if self.bucketed:
-                self.run_env_step = capture_graph(self.run_env_step, generators).replay
+                self.run_env_step = flexloop_run.capture_cuda_graph(self.run_env_step, generators)
                 self.stats_host = torch.zeros_like(self.stats, device="cpu").pin_memory()
                 self.pool = torch.cuda.graph_pool_handle()  # policy graphs share memory: they never overlap
             else:
-                self.run_step = capture_graph(self.run_step, generators).replay
+                self.run_step = flexloop_run.capture_cuda_graph(self.run_step, generators)
 
     def policy(self):
         if self.mode == "full":
@@ -884,7 +789,7 @@ class StressStepper:
     def step_bucketed(self):
         if self.sizes not in self.policy_runs:
             run = lambda s=self.sizes: self.bucketed_policy_into_buffers(s)  # noqa: E731
-            self.policy_runs[self.sizes] = capture_graph(run, [], pool=self.pool).replay if self.use_graph else run
+            self.policy_runs[self.sizes] = flexloop_run.capture_cuda_graph(run, [], pool=self.pool) if self.use_graph else run
         self.policy_runs[self.sizes]()
         if self.use_graph:
             self.stats_host.copy_(self.stats, non_blocking=True)
@@ -1552,9 +1457,10 @@ def main(args: Args):
 
     loaded = []
     for path, label in zip(args.checkpoints, labels_for(args)):
-        module, checkpoint = load_any_checkpoint(path, args.script)
-        print(f"{label}: {checkpoint['algorithm']} on {checkpoint['env_id']}, network from {module.__file__}")
+        module, checkpoint = flexloop_run.load_any_checkpoint(path, args.script)
         network, train_args = module.network_from_checkpoint(checkpoint, device)
+        print(f"{label}: {checkpoint['algorithm']} on {checkpoint['env_id']}, network from {module.__file__}; "
+              f"the stopping rule's delta_k is its {type(network).__name__}.divergence")
         network.eval().requires_grad_(False)
         check_k_min(args.k_min, network.depth, label)
         loaded.append((label, path, module, checkpoint, network, train_args))
@@ -1619,5 +1525,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    with errors_in_one_line():
-        main(tyro.cli(Args))
+    with flexloop_run.errors_in_one_line():
+        main(flexloop_run.parse_args(Args, description=__doc__))

@@ -13,36 +13,25 @@ The paper's ablations and variants (§5.4, appendix C; REFERENCE.md §5) are fla
     --depth-target final                distil every depth straight from depth K: KL(sg[pi_K] || pi_k)
     --backbone lstm --hidden-dim 184    an LSTM cell unrolled over depth instead of the IRU
     --teacher-checkpoint PATH           FlexLoop from scratch with an output-only teacher (appendix C.1)
+
+Copy and modify: copy this file, change it and run the copy; eval_adaptive.py rebuilds the copy's checkpoints with the
+copy's own network. Its stopping rule calls the network's `divergence` method, so a copy that changes the depth loss's
+D should change `divergence` to match, and changing `divergence` changes the rule.
 """
 
-import contextlib
 import copy
-import gc
-import io
-import json
 import math
-import os
-import pickletools
-import random
-import re
-import signal
 import sys
-import threading
-import time
-import zipfile
-from dataclasses import asdict, dataclass, fields, make_dataclass, replace
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Literal, Optional
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import tyro
-from tqdm.auto import tqdm
 
 import envs
+import flexloop_run
 from envs.boxpick import NUM_ACTIONS, NUM_CELLS, NUM_CODES, goal_reached, remove_agent
 
 
@@ -205,7 +194,8 @@ class Args(PerformanceArgs, EvaluationArgs, FlexLoopArgs, AlgorithmArgs, Network
     """Every flag, flat (args.lambda_depth). --help shows them in the groups above (see parse_args)."""
 
 
-# What the run plumbing (below) needs to know about this script.
+# What the run plumbing (flexloop_run.py) needs to know about this script.
+FLEXLOOP_SCRIPT = "flexloop-script-v1"  # marks a FlexLoop script: eval_adaptive.py imports no other file
 ENV_FLAG = "env_id"  # the flag naming the env: run names, checkpoints and --init-checkpoint checks read it
 RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug")  # --resume takes these as given
 ALGORITHM = "gcdqn"
@@ -213,8 +203,6 @@ NETWORK_FLAGS = ("depth", "hidden_dim", "num_critics", "iru_variant", "obs_encod
 CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in a checkpoint
 GPU_SIZED_FLAGS = ("num_envs", "batch_size", "updates_per_rollout", "hidden_dim")  # their defaults need a GPU
 PRETRAINING_ONLY = dict(lambda_depth=0.0, num_epochs=0, init_checkpoint=None, teacher_checkpoint=None)  # iru_pretrain
-# flags added since some checkpoints were written: what runs before them did
-OLDER_CHECKPOINTS_RAN_WITH = {"alpha_loss": "batch-mean", "init": "pytorch", "bf16": False}
 ENV_IDS = tuple(envs.BOXPICK_IDS)  # what check_args accepts
 POSITIVE_FLAGS = ("num_envs", "batch_size", "updates_per_rollout", "intervals_per_epoch", "replay_episodes",
                   "num_eval_envs", "eval_every", "log_every", "save_every", "hidden_dim", "num_critics",
@@ -464,7 +452,7 @@ def build_network(args: Args, device):
 
 def network_from_checkpoint(checkpoint, device="cpu"):
     """Rebuild the network from a checkpoint alone (used by eval_adaptive.py)."""
-    args = args_from_checkpoint(checkpoint)
+    args = flexloop_run.args_from_checkpoint(Args, checkpoint)
     network = build_network(args, device)
     network.load_state_dict(checkpoint["model"])
     return network, args
@@ -489,7 +477,7 @@ def load_teacher(args, device):
     """The output-only teacher of FlexLoop from scratch: a separate, frozen network built from its own
     checkpoint (any depth, width or backbone). Only its Q-values are read; no optimiser holds it and its
     weights are never copied into the student, whose checkpoints do not hold them either."""
-    checkpoint = load_checkpoint(args.teacher_checkpoint)
+    checkpoint = flexloop_run.load_checkpoint(args.teacher_checkpoint, ALGORITHM)
     if checkpoint["env_id"] != args.env_id:
         raise ValueError(f"--teacher-checkpoint was trained on {checkpoint['env_id']} but this run is on "
                          f"{args.env_id}; pass --env-id {checkpoint['env_id']}")
@@ -745,589 +733,17 @@ def evaluate(network, eval_envs, seed):
     return results
 
 
-def format_eval(results, depth, iteration):
-    lines = [f"iteration {iteration} success by depth 1..{depth}:"]
+def format_eval(results, args, iteration):
+    lines = [f"iteration {iteration} success by depth 1..{args.depth}:"]
     for split in ["train", "unseen"]:
-        values = " ".join(f"{results[f'eval/{split}/success_depth_{k}']:.3f}" for k in range(1, depth + 1))
+        values = " ".join(f"{results[f'eval/{split}/success_depth_{k}']:.3f}" for k in range(1, args.depth + 1))
         lines.append(f"  {split:7s} {values}")
     return "\n".join(lines)
 
 
-# --- run plumbing: identical in every flexloop_*.py ---
-# Flags, run setup, checkpoints, the metrics log, RNG state, stop signals, progress and CUDA-graph capture. Nothing
-# here knows the algorithm: it reads the names defined above (Args, check_args, ALGORITHM, ENV_FLAG, NETWORK_FLAGS,
-# CHECKPOINT_PARTS, RESUME_FLAGS, GPU_SIZED_FLAGS, OLDER_CHECKPOINTS_RAN_WITH, LOSS_NAMES, format_eval). Change the
-# algorithm above and `train` below; tests/test_layout.py keeps this block the same in every script.
-FLEXLOOP_SCRIPT = "flexloop-script-v1"  # this line marks a FlexLoop script: eval_adaptive.py imports no other file
-SCRIPT = Path(__file__).stem  # checkpoints name the script that wrote them
-CHECKPOINT_FORMAT = "flexloop-checkpoint-v2"
-OLD_CHECKPOINT_FORMAT = "flexloop-checkpoint-v1"  # read too: see upgrade_checkpoint
-CUDA_GRAPH_WARMUP = 3  # eager calls before a capture, as torch.cuda.graphs requires; they do real work
-CPU_HELP = 'README.md, "On a CPU"'
-
-
-def parse_args(argv=None, default=None, prog=None):
-    """The command line as a flat Args. --help lists the flags in the groups Args is made of, under flat names
-    (--lambda-depth); `default` replaces the defaults (iru_pretrain.py shows its own this way)."""
-    default = Args() if default is None else default
-    groups = {group.__name__.removesuffix("Args").lower(): group for group in reversed(Args.__bases__)}
-    flags = make_dataclass("Flags", [(name, Annotated[group, tyro.conf.OmitArgPrefixes])
-                                     for name, group in groups.items()])
-    defaults = flags(**{name: group(**{f.name: getattr(default, f.name) for f in fields(group)})
-                        for name, group in groups.items()})
-    given = tyro.cli(flags, args=argv, prog=prog, description=__doc__, default=defaults)
-    return Args(**{f.name: getattr(getattr(given, name), f.name) for name, group in groups.items()
-                   for f in fields(group)})
-
-
-class NoGPUError(RuntimeError):
-    """--require-cuda on a machine without a GPU."""
-
-
-@contextlib.contextmanager
-def errors_in_one_line():
-    """The errors raised on purpose (bad flags, checkpoints or data, a full disk, NaN in a loss) end the program
-    with their message in one line and exit status 1, not a traceback; --debug or FLEXLOOP_DEBUG=1 shows it."""
-    try:
-        yield
-    except (ValueError, OSError, FloatingPointError, NoGPUError) as error:
-        if "--debug" in sys.argv or os.environ.get("FLEXLOOP_DEBUG") == "1":
-            raise
-        print(f"{Path(sys.argv[0]).name}: error: {error}  (--debug shows the traceback)", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:  # before the stop signals are set up, or a second Ctrl-C
-        print(f"{Path(sys.argv[0]).name}: interrupted; nothing was saved since the last checkpoint", file=sys.stderr)
-        sys.exit(130)
-
-
-def pick_device(args):
-    """CUDA when there is a GPU and --cuda, else the CPU; say which, and warn when GPU-sized flags meet a CPU."""
-    if args.require_cuda and not torch.cuda.is_available():
-        raise NoGPUError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    print(f"{SCRIPT}: running on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'the CPU'}")
-    sized_for_gpu = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in GPU_SIZED_FLAGS
-                     if getattr(args, name) == getattr(Args(), name)]
-    if device.type == "cpu" and sized_for_gpu:
-        print(f"warning: {', '.join(sized_for_gpu)} are sized for a GPU, and on a CPU this run takes days. For a CPU "
-              f"run that finishes in minutes, see {CPU_HELP}.")
-    return device
-
-
-def args_from_checkpoint(checkpoint, path="the checkpoint"):
-    """The flags a checkpoint was trained with. Flags added since it was written take the value runs had before
-    them (OLDER_CHECKPOINTS_RAN_WITH), else their defaults; flags this script does not have mean another script
-    wrote it."""
-    unknown = sorted(set(checkpoint["args"]) - {f.name for f in fields(Args)})
-    if unknown:
-        raise ValueError(f"{path} has flags {unknown} that {SCRIPT}.py does not know; it was written by "
-                         f"{checkpoint.get('script', 'another script')}.py: use that script for it")
-    return Args(**{**OLDER_CHECKPOINTS_RAN_WITH, **checkpoint["args"]})
-
-
-MACHINE_FLAGS = ("cuda", "require_cuda", "debug")  # a resumed run takes these from the command line
-
-
-def resumed_args(checkpoint, given):
-    """A resumed run keeps its own flags. Only RESUME_FLAGS come from the command line: the machine's
-    (MACHINE_FLAGS) always, since they describe where it runs now, the others only where given."""
-    missing = [k for k in ("run_name", *CHECKPOINT_PARTS, "rng", "global_step", "updates") if k not in checkpoint]
-    if missing:
-        raise ValueError(f"--resume {given.resume} lacks {missing}, which resuming needs; start a new run from its "
-                         "weights with --init-checkpoint instead")
-    overrides = {name: getattr(given, name) for name in RESUME_FLAGS
-                 if name in MACHINE_FLAGS or getattr(given, name) != getattr(Args(), name)}
-    return replace(args_from_checkpoint(checkpoint, given.resume), **overrides)
-
-
-def check_compatible(init, args):
-    """An --init-checkpoint must match this run's env and network shape (NETWORK_FLAGS)."""
-    theirs = args_from_checkpoint(init, "--init-checkpoint")  # flags it predates read as its run had them
-    for key in NETWORK_FLAGS:
-        if getattr(theirs, key) != getattr(args, key):
-            raise ValueError(f"--init-checkpoint was trained with {key}={getattr(theirs, key)!r} but this run has "
-                             f"{key}={getattr(args, key)!r}; pass --{key.replace('_', '-')} {getattr(theirs, key)}")
-    if init["env_id"] != getattr(args, ENV_FLAG):
-        raise ValueError(f"--init-checkpoint was trained on {init['env_id']} but this run is on "
-                         f"{getattr(args, ENV_FLAG)}; pass --{ENV_FLAG.replace('_', '-')} {init['env_id']}")
-
-
-def save_checkpoint(path, payload):
-    """Serialise in memory, write a temp file, then os.replace: a kill, a crash or a full disk never leaves a
-    broken checkpoint or a stray temp file, and the previous checkpoint stays as it was."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)  # in memory first: a full disk then fails in write() as an OSError, not deep in torch
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as error:  # also an interrupt mid-write: no half-written temp file stays behind
-        tmp.unlink(missing_ok=True)
-        if not isinstance(error, OSError):
-            raise
-        raise OSError(error.errno, f"could not write checkpoint {path} ({error}); the previous checkpoint is intact. "
-                      "Free disk space or point --run-dir at a writable folder.") from error
-
-
-def pickled_globals(path):
-    """module.name of every Python object a pickle names (objects that unpickling would call), read without
-    unpickling; [] when the file holds no readable pickle."""
-    data = Path(path).read_bytes()
-    if zipfile.is_zipfile(path):  # torch's format: the pickle is the archive's data.pkl
-        with zipfile.ZipFile(path) as archive:
-            data = next((archive.read(n) for n in archive.namelist() if n.endswith("data.pkl")), b"")
-    names, strings = [], []
-    try:
-        for opcode, arg, _ in pickletools.genops(data):
-            if opcode.name in ("GLOBAL", "INST"):
-                names.append(arg.replace(" ", "."))
-            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-                names.append(".".join(strings[-2:]))
-            elif isinstance(arg, str):
-                strings.append(arg)
-    except Exception:  # not a pickle, or cut short: what was read so far
-        pass
-    return names
-
-
-def read_checkpoint_file(path):
-    """torch.load with weights_only=True, so that a file holding code is refused and the code never runs. When a
-    file cannot be loaded, the error says what it is instead."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist; pass a .pt file written by a FlexLoop script, "
-                                "e.g. runs/<run_name>/latest.pt")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        head = path.read_bytes()[:4096]
-        code = re.findall(r"GLOBAL ([\w.]+)", str(error))  # torch names the callable it refused
-        code = code or [name for name in pickled_globals(path) if not name.startswith(("torch.", "collections."))]
-        if code:
-            why = (f"was refused, and not loaded, because it can run code when loaded (it calls {code[0]}). Do not "
-                   "load this file: use a checkpoint that a FlexLoop script wrote")
-        elif not head:
-            why = "is empty, not a FlexLoop checkpoint; use an earlier checkpoint (latest.pt, pretrained.pt)"
-        elif zipfile.is_zipfile(path) or head.startswith(b"PK"):
-            why = ("is corrupt or truncated (an incomplete torch archive), not a loadable FlexLoop checkpoint; use an "
-                   "earlier checkpoint (latest.pt, pretrained.pt) or copy the file again")
-        elif all(32 <= b < 127 or b in b"\t\r\n" for b in head):
-            why = "is a text file, not a FlexLoop checkpoint (a .pt file that flexloop_*.py writes into runs/<run>/)"
-        else:
-            why = (f"is not a FlexLoop checkpoint: torch cannot read it ({type(error).__name__}); it is corrupt, "
-                   "truncated or another kind of file")
-        raise ValueError(f"{path} {why}") from error
-
-
-def upgrade_checkpoint(checkpoint):
-    """The first format (flexloop-checkpoint-v1) counted iterations as "interval" (GC-IQL: as "global_step", one
-    update each) and did not name its script. Read it as the current format."""
-    if checkpoint.get("format") == OLD_CHECKPOINT_FORMAT:
-        checkpoint = {**checkpoint, "format": CHECKPOINT_FORMAT}
-        checkpoint.setdefault("iteration", checkpoint.pop("interval", checkpoint.get("global_step", 0)))
-    checkpoint.setdefault("script", f"flexloop_{checkpoint.get('algorithm')}")
-    checkpoint.setdefault("iteration_updates", 0)
-    return checkpoint
-
-
-def load_checkpoint(path, algorithm=ALGORITHM):
-    """A checkpoint of this algorithm, read safely (read_checkpoint_file) and checked to be a FlexLoop one."""
-    checkpoint = read_checkpoint_file(path)
-    if not isinstance(checkpoint, dict) or checkpoint.get("format") not in (CHECKPOINT_FORMAT, OLD_CHECKPOINT_FORMAT):
-        raise ValueError(f"{path} is not a FlexLoop checkpoint (no '{CHECKPOINT_FORMAT}' format tag)")
-    missing = [k for k in ("algorithm", "args", "env_id", "depth", "model") if k not in checkpoint]
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {missing}; it was not written by a FlexLoop script")
-    checkpoint = upgrade_checkpoint(checkpoint)
-    if checkpoint["algorithm"] != algorithm:
-        raise ValueError(f"checkpoint {path} is from {checkpoint['algorithm']!r}, not {algorithm!r}; use "
-                         f"{checkpoint['script']}.py for it")
-    return checkpoint
-
-
-def parses(line):
-    """Whether a metrics.jsonl line is a whole JSON record: a kill mid-write can leave the last one cut short."""
-    try:
-        json.loads(line)
-        return True
-    except json.JSONDecodeError:
-        return False
-
-
-class MetricsLog:
-    """runs/<name>/metrics.jsonl, always; W&B too when tracked. On resume, records past the checkpoint's step
-    (written by the run that was killed) are dropped, so the file has no duplicate or missing steps."""
-
-    def __init__(self, path, resume_step=None, wandb_run=None):
-        self.path, self.wandb_run = Path(path), wandb_run
-        if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if parses(line) and json.loads(line)["global_step"] <= resume_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
-        self.file = open(self.path, "a")
-
-    def write(self, metrics, global_step):
-        record = {"global_step": global_step, **{k: (v.item() if torch.is_tensor(v) else v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.wandb_run is not None:
-            self.wandb_run.log(record, step=global_step)
-        return record
-
-
-def check_finite(metrics, updates):
-    """Stop at a NaN or inf, naming the term: no checkpoint is written with weights it has reached."""
-    for name, value in metrics.items():
-        if torch.is_tensor(value) and not torch.isfinite(value).all():
-            raise FloatingPointError(f"{name} became {value.item()} in the updates before update {updates}; "
-                                     "stopping. The last checkpoint written (latest.pt) is from before this.")
-
-
-def on_this_device(state_dict, part):
-    """An optimiser's state with this device's settings (Adam's capturable and fused flags), so that a run can move
-    between a GPU and a CPU; any other part's state as it is."""
-    if "param_groups" not in state_dict:
-        return state_dict
-    groups = [{**saved, **{key: now[key] for key in ("capturable", "fused") if key in now}}
-              for saved, now in zip(state_dict["param_groups"], part.param_groups)]
-    return {**state_dict, "param_groups": groups}
-
-
-def rng_state(generators):
-    state = {"python": random.getstate()[1], "numpy": np.random.get_state()[1].tolist(), "torch": torch.get_rng_state()}
-    state.update({name: g.get_state() for name, g in generators.items()})
-    return state
-
-
-def set_rng_state(state, generators):
-    random.setstate((3, tuple(state["python"]), None))
-    np_state = np.random.get_state()
-    np.random.set_state((np_state[0], np.array(state["numpy"], dtype=np.uint32), *np_state[2:]))
-    torch.set_rng_state(state["torch"])
-    moved = []
-    for name, g in generators.items():
-        if state[name].numel() == g.get_state().numel():
-            g.set_state(state[name])
-        else:  # saved on another kind of device (a GPU run resumed on a CPU, or back): that stream cannot go on here
-            g.manual_seed(int(state[name].long().sum()))
-            moved.append(name)
-    if moved:
-        print(f"note: the random streams {moved} were saved on another kind of device; they restart from a seed "
-              "taken from the saved state, so the run goes on, but not draw for draw as it would have there")
-
-
-class StopSignals:
-    """SIGTERM (SLURM preemption, kill) and Ctrl-C ask the run to stop: it finishes the update in progress, writes
-    latest.pt, prints the command that resumes it and exits cleanly. A second Ctrl-C quits at once."""
-
-    def __init__(self):
-        self.reason, self.previous = None, {}
-        if threading.current_thread() is threading.main_thread():  # Python takes signals in the main thread only
-            self.previous = {sig: signal.signal(sig, self.request) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def request(self, signum, frame):
-        if self.reason is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.reason = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
-        print(f"\n{self.reason}: stopping after this update to write latest.pt (Ctrl-C again quits without it)",
-              file=sys.stderr, flush=True)
-
-    def restore(self):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-def capture_cuda_graph(fn, generators):
-    """Record fn() in a CUDA graph and return a function that replays it and returns fn's (static) outputs.
-
-    Warm-up calls run on a side stream first, as torch.cuda.graphs requires; they do real work. The random
-    generators fn draws from are registered, so every replay draws fresh numbers.
-
-    A run captures again mid-run (GC-DQN: each phase has its own update). On an H200 that second capture failed
-    (cudaErrorStreamCaptureImplicit in the backward pass) with the default global capture mode; eval_adaptive's
-    mid-run captures failed the same way until garbage was collected first, the collector paused during the
-    capture and the capture mode made thread-local, so the same is done here."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(CUDA_GRAPH_WARMUP):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    for generator in generators:
-        graph.register_generator_state(generator)
-    collector_was_on = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = fn()
-    finally:
-        if collector_was_on:
-            gc.enable()
-
-    def replay():
-        graph.replay()
-        return outputs
-
-    return replay
-
-
-def duration(seconds):
-    minutes, hours = seconds / 60, seconds / 3600
-    return f"{hours / 24:.1f} days" if hours >= 48 else f"{hours:.1f} h" if minutes >= 90 else \
-        f"{minutes:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
-
-
-class Run:
-    """One training run's bookkeeping, in the order train uses it:
-
-        run = Run(args)            flags checked (a resumed run's own), checkpoints read, device, seeds; no files yet
-        run.begin(...)             run folder, W&B, metrics log, state restored on --resume, stop signals, progress
-        while run.running():       until the last iteration, or a stop (SIGTERM, Ctrl-C)
-            run.phase()            (phase, lambda_depth) of this iteration
-            run.update_steps(n)    the iteration's update loop; it ends early when a stop comes
-            run.end_iteration()    the counters move on (False when a stop cut the updates short)
-            run.log_due() / run.log(metrics), run.evaluate_due() / run.evaluate(fn, ...), run.save_due()
-        run.finish()               final.pt, or latest.pt and the command that resumes the run
-
-    Counters: `iteration` counts collect -> update rounds, `global_step` env steps (GC-IQL: updates), `updates`
-    gradient steps; checkpoints and metrics use these names."""
-
-    def __init__(self, args):
-        check_args(args)
-        if args.save_every_minutes < 0:
-            raise ValueError(f"--save-every-minutes must be >= 0 (0: never), got {args.save_every_minutes}")
-        self.checkpoint = load_checkpoint(args.resume) if args.resume else None
-        self.args = args = resumed_args(self.checkpoint, args) if self.checkpoint else args
-        self.init = None
-        if args.init_checkpoint and self.checkpoint is None:
-            self.init = load_checkpoint(args.init_checkpoint)
-            check_compatible(self.init, args)
-        self.device = pick_device(args)
-        self.compile = args.compile and self.device.type == "cuda"  # on a CPU compiling does not pay
-        self.cuda_graph = args.cuda_graph and self.device.type == "cuda"
-        random.seed(args.seed)
-        np.random.seed(args.seed)
-        torch.manual_seed(args.seed)
-        torch.backends.cudnn.deterministic = args.torch_deterministic
-        torch.backends.cuda.matmul.allow_tf32 = True
-
-    def begin(self, phases, parts, generators, loss_sums, steps_per_iteration, updates_per_iteration,
-              progress="updates"):
-        """phases: (name, iterations, lambda_depth) in order; parts: the CHECKPOINT_PARTS (modules, the optimiser;
-        None where absent), read whenever a checkpoint is written; loss_sums: the LOSS_NAMES summed on the device
-        since the last log; progress: what the progress bar counts, "updates" or "env steps"."""
-        args, checkpoint = self.args, self.checkpoint
-        self.phases = [p for p in phases if p[1] > 0]
-        if not self.phases:
-            raise ValueError("nothing to train: every phase has a budget of 0; raise the pretraining or the "
-                             "post-training budget")
-        self.total_iterations = sum(length for _, length, _ in self.phases)
-        self.parts, self.generators, self.loss_sums = parts, generators, loss_sums
-        self.steps_per_iteration, self.updates_per_iteration = steps_per_iteration, updates_per_iteration
-        self.name = checkpoint["run_name"] if checkpoint else \
-            f"{getattr(args, ENV_FLAG)}__{args.exp_name}__{args.seed}__{int(time.time())}"
-        # A resumed run continues in the folder its checkpoint lies in, wherever that folder has moved.
-        self.dir = Path(args.resume).resolve().parent if checkpoint else Path(args.run_dir) / self.name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if not os.access(self.dir, os.W_OK):
-            raise PermissionError(f"run folder {self.dir} is not writable; point --run-dir at a writable folder")
-        self.iteration = self.global_step = self.updates = self.iteration_updates = 0
-        self.last_metrics, self.wandb_id = {}, None
-        if checkpoint is not None:
-            for name, part in parts.items():
-                if part is not None and checkpoint.get(name) is not None:
-                    part.load_state_dict(on_this_device(checkpoint[name], part))
-            set_rng_state(checkpoint["rng"], generators)
-            self.iteration, self.global_step, self.updates = (checkpoint[k] for k in ("iteration", "global_step",
-                                                                                       "updates"))
-            self.iteration_updates = checkpoint["iteration_updates"]
-            self.last_metrics, self.wandb_id = checkpoint.get("metrics", {}), checkpoint.get("wandb_id")
-            print(f"resuming {self.name} at iteration {self.iteration}/{self.total_iterations}, update {self.updates} "
-                  "(what checkpoints do not hold starts afresh: the replay refills, the envs start new episodes)")
-        self.wandb_run = None
-        if args.track:
-            import wandb
-            self.wandb_run = wandb.init(project=args.wandb_project_name, entity=args.wandb_entity,
-                                        group=args.wandb_group, tags=list(args.wandb_tags), config=asdict(args),
-                                        name=self.name, id=self.wandb_id, resume="allow", dir=str(self.dir),
-                                        save_code=True)
-            self.wandb_id = self.wandb_run.id
-        self.metrics_log = MetricsLog(self.dir / "metrics.jsonl", self.global_step if checkpoint else None,
-                                      self.wandb_run)
-        self.stop = StopSignals()
-        self.progress_unit = progress
-        per_iteration = updates_per_iteration if progress == "updates" else steps_per_iteration
-        done = self.updates if progress == "updates" else self.global_step
-        self.progress = tqdm(total=self.total_iterations * per_iteration, initial=done, desc=self.name,
-                             unit=" " + progress, dynamic_ncols=True)
-        self.started = self.last_save = self.clock = time.perf_counter()
-        self.first_tick, self.projected, self.first_iteration = None, False, self.iteration
-        self.train_seconds, self.logged = 0.0, (self.global_step, self.updates)
-        return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *error):
-        """Whatever happens: the progress bar, the metrics log and W&B closed, the signal handlers given back."""
-        self.progress.close()
-        self.metrics_log.file.close()
-        self.stop.restore()
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
-
-    def phase_of(self, iteration):
-        start = 0
-        for name, length, lambda_depth in self.phases:
-            if iteration < start + length:
-                return name, lambda_depth
-            start += length
-        return self.phases[-1][0], self.phases[-1][2]
-
-    def phase(self):
-        return self.phase_of(self.iteration)
-
-    def running(self):
-        return self.iteration < self.total_iterations and self.stop.reason is None
-
-    def compiled(self, fn):
-        """fn compiled by torch.compile with --compile on a GPU, fn itself otherwise."""
-        return torch.compile(fn) if self.compile else fn
-
-    def graphed(self, fn, generators, *args):
-        """fn(*args) replayed from a CUDA graph with --cuda-graph on a GPU, eager otherwise."""
-        fn = partial(fn, *args)
-        return capture_cuda_graph(fn, generators) if self.cuda_graph else fn
-
-    def graphed_update(self, update, generators):
-        """The update replayed from a CUDA graph (see graphed); the capture's warm-up updates are counted."""
-        if self.cuda_graph:
-            self.updates += CUDA_GRAPH_WARMUP
-        return self.graphed(update, generators)
-
-    def update_steps(self, count):
-        """range(count) for an iteration's update loop. It ends early, within one update, when a stop comes, and
-        skips the updates that a stopped iteration had done before it was resumed. Counts each update, moves the
-        progress bar and writes latest.pt every --save-every-minutes."""
-        for i in range(self.iteration_updates, count):
-            if self.stop.reason is not None:
-                return
-            yield i
-            self.updates += 1
-            self.iteration_updates += 1
-            self.tick(1 if self.progress_unit == "updates" else 0)
-            if 0 < self.args.save_every_minutes <= (time.perf_counter() - self.last_save) / 60:
-                self.save("latest.pt")
-
-    def end_iteration(self):
-        """The counters move on to the next iteration; False (and they stay) when a stop cut the updates short."""
-        if self.iteration_updates < self.updates_per_iteration:
-            return False
-        self.iteration += 1
-        self.global_step += self.steps_per_iteration
-        self.iteration_updates = 0
-        self.tick(self.steps_per_iteration if self.progress_unit == "env steps" else 0)
-        return True
-
-    def tick(self, amount):
-        """The progress bar, and once, after a measured stretch, the projected time of the whole run."""
-        self.progress.update(amount)
-        now = time.perf_counter()
-        if self.first_tick is None and self.progress.n > self.progress.initial:
-            self.first_tick = (now, self.progress.n)
-        elif self.first_tick is not None and not self.projected and self.progress.n > self.first_tick[1] and (
-                now - self.first_tick[0] >= 15 or self.iteration - self.first_iteration >= 2):
-            rate = (self.progress.n - self.first_tick[1]) / (now - self.first_tick[0])
-            left = (self.progress.total - self.progress.n) / rate
-            self.progress.write(f"projected: {duration(now - self.started + left)} for the whole run, "
-                                f"{duration(left)} left ({rate:.3g}{self.progress.unit}/s on {self.device.type})"
-                                + (f"; for a CPU run that finishes in minutes see {CPU_HELP}"
-                                   if self.device.type == "cpu" and left > 3600 else ""))
-            self.projected = True
-
-    def due(self, every):
-        return self.iteration % every == 0 or self.iteration == self.total_iterations
-
-    def phase_ends(self):
-        return self.phase_of(self.iteration - 1)[0] != self.phase_of(self.iteration)[0]
-
-    def log_due(self):
-        return self.due(self.args.log_every)
-
-    def evaluate_due(self):
-        return self.due(self.args.eval_every) or self.phase_ends()
-
-    def log(self, metrics):
-        """The loss means since the last log, the counters, speed and the given metrics: metrics.jsonl and W&B."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        self.train_seconds += now - self.clock
-        steps, updates = self.global_step - self.logged[0], self.updates - self.logged[1]
-        metrics = {"phase": self.phase_of(self.iteration - 1)[0], "charts/iteration": self.iteration,
-                   "charts/updates": self.updates, **dict(zip(LOSS_NAMES, self.loss_sums / max(updates, 1))),
-                   "charts/SPS": int(steps / max(self.train_seconds, 1e-9)),
-                   "charts/updates_per_second": updates / max(self.train_seconds, 1e-9), **metrics}
-        check_finite({name: metrics[name] for name in LOSS_NAMES}, self.updates)
-        self.loss_sums.zero_()
-        self.last_metrics = self.metrics_log.write(metrics, self.global_step)
-        self.progress.set_postfix({name.split("/")[-1]: f"{self.last_metrics[name]:.3g}" for name in LOSS_NAMES[:2]})
-        self.train_seconds, self.logged, self.clock = 0.0, (self.global_step, self.updates), time.perf_counter()
-
-    def evaluate(self, evaluate, *args, **kwargs):
-        """evaluate(*args, **kwargs) -> {metric: value}, logged and printed; its time is not training time (SPS)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.train_seconds += time.perf_counter() - self.clock
-        results = evaluate(*args, **kwargs)
-        self.last_metrics.update(self.metrics_log.write({"phase": self.phase_of(self.iteration - 1)[0], **results},
-                                                        self.global_step))
-        self.progress.write(format_eval(results, self.args.depth, self.iteration))
-        self.clock = time.perf_counter()
-        return results
-
-    def save_due(self):
-        """pretrained.pt when pretraining ends; latest.pt every --save-every iterations and at the end."""
-        if self.phase_of(self.iteration - 1)[0] == "pretrain" and self.phase_ends():
-            self.save("pretrained.pt")  # the IRU-K baseline
-        if self.due(self.args.save_every):
-            self.save("latest.pt")
-
-    def save(self, name):
-        """A checkpoint: everything that evaluating or resuming this run needs, written atomically."""
-        check_finite(dict(zip(LOSS_NAMES, self.loss_sums)), self.updates)  # never save weights a NaN reached
-        save_checkpoint(self.dir / name, {
-            "format": CHECKPOINT_FORMAT, "algorithm": ALGORITHM, "script": SCRIPT, "args": asdict(self.args),
-            "env_id": getattr(self.args, ENV_FLAG), "depth": self.args.depth, "run_name": self.name,
-            "phase": self.phase_of(max(self.iteration - 1, 0))[0], "iteration": self.iteration,
-            "iteration_updates": self.iteration_updates, "global_step": self.global_step, "updates": self.updates,
-            "rng": rng_state(self.generators), "metrics": self.last_metrics, "wandb_id": self.wandb_id,
-            **{name: None if part is None else part.state_dict() for name, part in self.parts.items()}})
-        self.last_save = time.perf_counter()
-
-    def finish(self):
-        """final.pt when the run is complete; when it was stopped, latest.pt and the command that resumes it."""
-        if self.stop.reason is None:
-            self.save("final.pt")
-            return self.dir
-        self.save("latest.pt")
-        self.progress.write(f"{self.stop.reason}: saved {self.dir / 'latest.pt'} at iteration {self.iteration} "
-                            f"(update {self.updates}); resume with\n    python {os.path.relpath(__file__)} --resume "
-                            f"{self.dir / 'latest.pt'}")
-        return self.dir
-# --- end of run plumbing ---
-
-
 def train(args: Args):
-    run = Run(args)  # the flags checked (a resumed run's own), checkpoints read, the device picked, seeds set
+    # The flags checked (a resumed run's own), checkpoints read, the device picked, seeds set: flexloop_run.py
+    run = flexloop_run.Run(sys.modules[__name__], args)
     args, device = run.args, run.device
     env, eval_envs = make_envs(args, device)
     network = build_network(args, device)
@@ -1364,7 +780,8 @@ def train(args: Args):
             phase, lam = run.phase()
             lambda_depth.fill_(lam)
             td_weights.copy_(phase_td_weights[phase])  # device to device: no host sync
-            observations, actions, lengths, success, _ = collect()
+            with run.interruptible():  # a stop ends a long CPU collection at once
+                observations, actions, lengths, success, _ = collect()
             replay.add(observations, actions, lengths)
 
             if phase not in updates_by_phase:  # made at the phase's first iteration, once the replay holds data
@@ -1383,9 +800,9 @@ def train(args: Args):
             if run.evaluate_due():
                 run.evaluate(evaluate, network, eval_envs, args.seed + 1000)
             run.save_due()
-        return run.finish()
+    return run.finish()  # final.pt, or latest.pt after a stop
 
 
 if __name__ == "__main__":
-    with errors_in_one_line():
-        train(parse_args())
+    with flexloop_run.errors_in_one_line():
+        train(flexloop_run.parse_args(Args, description=__doc__))

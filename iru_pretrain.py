@@ -16,7 +16,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from eval_adaptive import errors_in_one_line, import_script
+import flexloop_run
 
 SHORT_NAMES = ("gcdqn", "gcppo", "gciql")
 USAGE = ("usage: python iru_pretrain.py {gcdqn,gcppo,gciql,PATH.py} [the script's flags]\n"
@@ -25,15 +25,15 @@ USAGE = ("usage: python iru_pretrain.py {gcdqn,gcppo,gciql,PATH.py} [the script'
 
 def load_script(script):
     """The module of a FlexLoop script: gcdqn, gcppo or gciql, or the path of a FlexLoop script. A file that is not
-    one is refused before anything is imported from it (eval_adaptive.import_script)."""
+    one is refused before anything is imported from it (flexloop_run.import_script)."""
     if script in SHORT_NAMES:
-        return import_script(Path(__file__).resolve().parent / f"flexloop_{script}.py")
-    return import_script(script)
+        return flexloop_run.import_script(Path(__file__).resolve().parent / f"flexloop_{script}.py")
+    return flexloop_run.import_script(script)
 
 
 def pretrain_default(module):
     """The script's default flags as pretraining runs them (--help shows these)."""
-    name = f"iru_pretrain_{module.SCRIPT.removeprefix('flexloop_')}"
+    name = f"iru_pretrain_{flexloop_run.script_name(module).removeprefix('flexloop_')}"
     return dataclasses.replace(module.Args(exp_name=name), **module.PRETRAINING_ONLY)
 
 
@@ -56,16 +56,16 @@ def cli(argv):
     if argv[0] not in SHORT_NAMES and not argv[0].endswith(".py"):
         sys.exit(f"iru_pretrain.py: {argv[0]!r} is not a script; give gcdqn, gcppo, gciql or the path of a FlexLoop "
                  f"script (a .py file)\n{USAGE}")
-    with errors_in_one_line():
+    with flexloop_run.errors_in_one_line():
         module = load_script(argv[0])
-    with module.errors_in_one_line():
-        args = module.parse_args(argv[1:], default=pretrain_default(module), prog=f"iru_pretrain.py {argv[0]}")
+        args = flexloop_run.parse_args(module.Args, argv[1:], default=pretrain_default(module),
+                                       prog=f"iru_pretrain.py {argv[0]}", description=module.__doc__)
         changed = [f"--{name.replace('_', '-')}" for name, value in module.PRETRAINING_ONLY.items()
                    if getattr(args, name) != value]
         if changed:
             raise ValueError(f"iru_pretrain.py fixes {', '.join(changed)} (pretraining is lambda_depth 0, with no "
-                             f"post-training and no init checkpoint); drop them, or run {module.SCRIPT}.py for "
-                             "FlexLoop post-training")
+                             "post-training and no init checkpoint); drop them, or run "
+                             f"{flexloop_run.script_name(module)}.py for FlexLoop post-training")
         return main(module, args)
 
 

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import eval_adaptive  # noqa: E402
+import flexloop_run  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--checkpoint", required=True)
@@ -34,7 +35,7 @@ parser.add_argument("--freeze", action="store_true", help="no new sizes after th
 parser.add_argument("--seed", type=int, default=1)
 args = parser.parse_args()
 
-module, checkpoint = eval_adaptive.load_any_checkpoint(args.checkpoint)
+module, checkpoint = flexloop_run.load_any_checkpoint(args.checkpoint)
 network, _ = module.network_from_checkpoint(checkpoint, torch.device("cpu"))
 network.eval().requires_grad_(False)
 stepper = eval_adaptive.StressStepper(network, "compact", args.eps, 1, args.num_envs, checkpoint["env_id"], args.split,

@@ -29,10 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import flexloop_gcdqn as gcdqn  # noqa: E402
+import flexloop_run  # noqa: E402
 
 
 def stationary_alpha(checkpoint_path, num_envs=256, batches=8, target_entropy=-1.1):
-    checkpoint = gcdqn.load_checkpoint(checkpoint_path)
+    checkpoint = flexloop_run.load_checkpoint(checkpoint_path, gcdqn.ALGORITHM)
     network, args = gcdqn.network_from_checkpoint(checkpoint)
     env = envs.make_vec(args.env_id, num_envs, device="cpu", seed=123, check_actions=False).unwrapped
     generator = torch.Generator().manual_seed(0)

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexloop_gciql as gciql  # noqa: E402
+import flexloop_run  # noqa: E402
 from envs import ogbench_data  # noqa: E402
 from profiling import profile_kernels, sync  # noqa: E402
 
@@ -62,7 +63,7 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
     if mode == "compile-update-graph":
         update = torch.compile(update)
     if mode.endswith("graph"):
-        update = gciql.capture_cuda_graph(update, [generator])
+        update = flexloop_run.capture_cuda_graph(update, [generator])
     else:
         for _ in range(3):
             update()  # warm-up

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 from profiling import profile_kernels, profile_ops, sync  # noqa: E402
 import flexloop_gcdqn as gcdqn  # noqa: E402
+import flexloop_run  # noqa: E402
 
 
 OPTIMIZER_VARIANT = {"fused_adam": False, "grads_to_none": False}  # set from the command line (--fused-adam ...)
@@ -59,7 +60,7 @@ def measure_collection(args, device, episodes, mode):
         return gcdqn.run_episode(network, env, args.depth, generator, logits_fn)
 
     if mode in ("graph", "compile-graph"):
-        collect = gcdqn.capture_cuda_graph(collect, [generator, env.generator])  # warms up (and compiles) too
+        collect = flexloop_run.capture_cuda_graph(collect, [generator, env.generator])  # warms up (and compiles) too
     else:
         collect()  # warm-up
     sync(device)
@@ -84,7 +85,7 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes, all_act
     if mode in ("compile", "compile-graph", "autotune-graph"):
         update = torch.compile(update, mode="max-autotune-no-cudagraphs" if mode == "autotune-graph" else None)
     if mode in ("graph", "compile-graph", "autotune-graph"):
-        update = gcdqn.capture_cuda_graph(update, [generator])
+        update = flexloop_run.capture_cuda_graph(update, [generator])
     else:
         for _ in range(3):
             update()  # warm-up
@@ -116,8 +117,8 @@ if __name__ == "__main__":
     parser.add_argument("--fill-episodes", type=int, default=4)
     parser.add_argument("--collect-episodes", type=int, default=5)
     parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=gcdqn.Args().bf16,
-                        help="the updates' network passes under bf16 autocast (the script's default; before the 7th "
-                             "session the default was TF32, and commands without the flag measured TF32)")
+                        help="the updates' network passes under bf16 autocast (the script's default; before --bf16 "
+                             "existed the default was TF32, and commands from then measured TF32)")
     parser.add_argument("--profile", action="store_true",
                         help="also report the 8 largest GPU kernels per measurement (compile mode: the ops behind them)")
     parser.add_argument("--skip-collection", action="store_true")

@@ -7,6 +7,8 @@
 Each id makes a batched vector env whose state lives on `device`.
 """
 
+from functools import partial
+
 import gymnasium as gym
 
 from envs.boxpick import VARIANTS as BOXPICK_VARIANTS
@@ -15,12 +17,21 @@ BOXPICK_IDS = {f"BoxPick-{variant}-v0": variant for variant in BOXPICK_VARIANTS}
 LIGHTSOUT_ID = "LightsOut-4x5-v0"
 ENV_IDS = [*BOXPICK_IDS, LIGHTSOUT_ID]
 
+
+def vector_only(env_id, **kwargs):
+    """What gym.make makes of these ids: an error that names gym.make_vec. Each id is a whole batch of envs that
+    steps as tensor ops, so there is no single-env form."""
+    raise ValueError(f"{env_id} is a batched vector env only, so gym.make cannot make it; use "
+                     f"gym.make_vec({env_id!r}, num_envs=1024, device='cpu') (or device='cuda'), after `import envs`")
+
+
 for _env_id, _variant in BOXPICK_IDS.items():
     if _env_id not in gym.registry:
-        gym.register(_env_id, entry_point=None, vector_entry_point="envs.boxpick:BoxPickVecEnv",
-                     kwargs={"variant": _variant})
+        gym.register(_env_id, entry_point=partial(vector_only, _env_id),
+                     vector_entry_point="envs.boxpick:BoxPickVecEnv", kwargs={"variant": _variant})
 if LIGHTSOUT_ID not in gym.registry:
-    gym.register(LIGHTSOUT_ID, entry_point=None, vector_entry_point="envs.lightsout:LightsOutVecEnv")
+    gym.register(LIGHTSOUT_ID, entry_point=partial(vector_only, LIGHTSOUT_ID),
+                 vector_entry_point="envs.lightsout:LightsOutVecEnv")
 
 
 def make_vec(env_id, num_envs, **kwargs):

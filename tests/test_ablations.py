@@ -13,6 +13,7 @@ import tyro
 import yaml
 
 import flexloop_gcdqn as gcdqn
+import flexloop_run
 import flexloop_gciql as gciql
 import flexloop_gcppo as gcppo
 from envs import ogbench_data
@@ -213,7 +214,7 @@ def test_lstm_184_has_about_the_parameters_of_iru_256():
 
 def test_lstm_backbone_runs_end_to_end_and_reloads(tmp_path):
     run_dir = gcdqn.train(tiny_args(tmp_path, backbone="lstm", hidden_dim=12))
-    network, args = gcdqn.network_from_checkpoint(gcdqn.load_checkpoint(run_dir / "final.pt"))
+    network, args = gcdqn.network_from_checkpoint(flexloop_run.load_checkpoint(run_dir / "final.pt"))
     assert isinstance(network, gcdqn.LSTMNetwork) and args.backbone == "lstm"
     with pytest.raises(ValueError, match="--backbone"):  # an LSTM checkpoint cannot start an IRU run
         gcdqn.train(tiny_args(tmp_path / "bad", hidden_dim=12, init_checkpoint=str(run_dir / "pretrained.pt")))
@@ -224,9 +225,9 @@ def test_lstm_backbone_runs_end_to_end_and_reloads(tmp_path):
 @pytest.mark.parametrize("depth", [4, 5, 8, 10])
 def test_every_paper_depth_pretrains_and_post_trains(tmp_path, depth):
     run_dir = gcdqn.train(tiny_args(tmp_path, depth=depth, hidden_dim=8, num_eval_envs=4))
-    final = gcdqn.load_checkpoint(run_dir / "final.pt")
+    final = flexloop_run.load_checkpoint(run_dir / "final.pt")
     assert final["depth"] == depth and final["phase"] == "flexloop"
-    assert gcdqn.load_checkpoint(run_dir / "pretrained.pt")["phase"] == "pretrain"
+    assert flexloop_run.load_checkpoint(run_dir / "pretrained.pt")["phase"] == "pretrain"
     network, _ = gcdqn.network_from_checkpoint(final)
     assert network.all_depths(torch.zeros(2, 36), torch.zeros(2, 36)).shape == (depth, 2, 2, 6)
     assert f"eval/unseen/success_depth_{depth}" in final["metrics"]
@@ -268,8 +269,8 @@ def test_from_scratch_run_starts_from_fresh_weights_and_skips_pretraining(tmp_pa
     # With a zero learning rate the student's final weights are its initial ones: fresh, not the teacher's.
     args = tiny_args(tmp_path / "student", teacher_checkpoint=str(teacher_path), learning_rate=0.0)
     run_dir = gcdqn.train(args)
-    student = gcdqn.load_checkpoint(run_dir / "final.pt")
-    teacher = gcdqn.load_checkpoint(teacher_path)["model"]
+    student = flexloop_run.load_checkpoint(run_dir / "final.pt")
+    teacher = flexloop_run.load_checkpoint(teacher_path)["model"]
     assert set(student["model"]) == set(teacher)  # the student's checkpoint holds no teacher weights
     for name in ["embed.weight", "gates.weight", "head.weight", "embed_norm.weight", "log_alpha"]:
         assert not torch.equal(student["model"][name], teacher[name]), name
@@ -319,7 +320,7 @@ def test_gcppo_final_target_and_lstm_backbone(tmp_path):
     run_dir = gcppo.train(gcppo.Args(cuda=False, num_envs=8, num_steps=8, num_minibatches=2, update_epochs=1, depth=3,
                                      hidden_dim=8, pretrain_timesteps=64, total_timesteps=64, num_eval_envs=4,
                                      run_dir=str(tmp_path), backbone="lstm", depth_target="final"))
-    network, _ = gcppo.network_from_checkpoint(gcppo.load_checkpoint(run_dir / "final.pt"))
+    network, _ = gcppo.network_from_checkpoint(flexloop_run.load_checkpoint(run_dir / "final.pt"))
     assert isinstance(network, gcppo.LSTMNetwork)
 
 
@@ -343,7 +344,7 @@ def test_gciql_final_target_and_lstm_backbone(tmp_path):
                                depth=2, batch_size=16, pretrain_steps=3, total_steps=3, log_every=3, save_every=3,
                                eval_episodes=0, depth_target="final")
     run_dir = gciql.train(args)
-    actor, _ = gciql.network_from_checkpoint(gciql.load_checkpoint(run_dir / "final.pt"))
+    actor, _ = gciql.network_from_checkpoint(flexloop_run.load_checkpoint(run_dir / "final.pt"))
     assert isinstance(actor.iru, gciql.LSTM)
 
 
@@ -448,14 +449,6 @@ def test_temperature_loss_is_the_references_mean_of_per_state_squared_errors(alp
     assert entropy.std() > 0.01  # states differ, so the two forms differ here
 
 
-def test_checkpoints_from_before_the_per_state_temperature_loss_resume_with_their_own():
-    """Long runs started with the batch-mean loss (runs.md) must go on with it; new runs take the reference's."""
-    old = {"args": {"depth": 5}}  # written before --alpha-loss existed
-    assert gcdqn.args_from_checkpoint(old).alpha_loss == "batch-mean"
-    assert gcdqn.args_from_checkpoint({"args": {"alpha_loss": "per-state"}}).alpha_loss == "per-state"
-    assert gcdqn.Args().alpha_loss == "per-state"
-
-
 def test_bf16_is_the_default_on_a_gpu_and_a_cpu_update_stays_float32():
     """--bf16 (on by default) autocasts the update on a GPU only: on a CPU, the loss and every gradient are the
     float32 ones exactly, so CPU runs and the CPU tests keep float32 numerics."""
@@ -478,17 +471,3 @@ def test_bf16_on_a_gpu_runs_the_matmuls_in_bf16_with_the_loss_close_to_float32()
                                         torch.tensor(1.0, device="cuda"), weights)[0] for bf16 in (True, False))
     assert half.dtype == torch.float32 and not torch.equal(half, full)  # the matmuls did run in bf16
     assert torch.allclose(half, full, rtol=0.05), (half, full)
-
-
-def test_checkpoints_from_before_bf16_became_the_default_resume_in_float32():
-    """Runs written before --bf16 existed ran TF32; resumed, they must go on in TF32 (runs since record the flag)."""
-    assert not gcdqn.args_from_checkpoint({"args": {"depth": 5}}).bf16
-    assert gcdqn.args_from_checkpoint({"args": {"bf16": True}}).bf16
-
-
-def test_checkpoints_from_before_the_init_flag_record_pytorchs_init():
-    """Runs written before --init existed used nn.Linear's init; a resumed one must say so, not today's flax default."""
-    old = {"args": {"depth": 5}}
-    assert gcdqn.args_from_checkpoint(old).init == "pytorch"
-    assert gcdqn.args_from_checkpoint({"args": {"init": "flax"}}).init == "flax"
-    assert gcdqn.Args().init == "flax"

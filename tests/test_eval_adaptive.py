@@ -16,6 +16,7 @@ import torch
 
 import envs
 import eval_adaptive as ea
+import flexloop_run
 import flexloop_gcdqn as gcdqn
 from envs.lightsout import min_solution_length, solve
 
@@ -284,16 +285,17 @@ def test_bad_flags(overrides, message):
 
 def test_bad_checkpoints(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        ea.load_any_checkpoint(tmp_path / "missing.pt")
+        flexloop_run.load_any_checkpoint(tmp_path / "missing.pt")
     (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="is a text file, not a FlexLoop checkpoint"):
-        ea.load_any_checkpoint(tmp_path / "garbage.pt")
+        flexloop_run.load_any_checkpoint(tmp_path / "garbage.pt")
     torch.save({"model": {}}, tmp_path / "untagged.pt")
-    with pytest.raises(ValueError, match="no 'algorithm' entry"):
-        ea.load_any_checkpoint(tmp_path / "untagged.pt")
-    torch.save({"algorithm": "sac"}, tmp_path / "sac.pt")  # names no script: flexloop_sac, which nobody has
+    with pytest.raises(ValueError, match="no 'flexloop-checkpoint-v2' format tag"):
+        flexloop_run.load_any_checkpoint(tmp_path / "untagged.pt")
+    torch.save({"format": flexloop_run.CHECKPOINT_FORMAT, "algorithm": "sac", "args": {}, "env_id": "CartPole-v1",
+                "depth": 2, "model": {}}, tmp_path / "sac.pt")  # names no script: flexloop_sac, which nobody has
     with pytest.raises(ModuleNotFoundError, match="flexloop_sac.py, which is neither next to its run nor on the"):
-        ea.load_any_checkpoint(tmp_path / "sac.pt")
+        flexloop_run.load_any_checkpoint(tmp_path / "sac.pt")
     with pytest.raises(ValueError, match="no evaluation for env 'CartPole-v1'"):
         ea.adapter_for("CartPole-v1")
 

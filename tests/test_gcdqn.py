@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import flexloop_gcdqn as gcdqn
+import flexloop_run
 import iru_pretrain
 from envs.boxpick import (AGENT, AGENT_ON_BOX, BOX, BOX_ON_TARGET, EMPTY, LEFT, PICK_UP, PUT_DOWN, RIGHT, TARGET, UP,
                           BoxPickVecEnv, goal_reached)
@@ -337,14 +338,14 @@ def test_smoke_run_writes_checkpoints_and_per_depth_metrics(tmp_path):
     lambdas = {r["phase"]: r["charts/lambda_depth"] for r in records if "charts/lambda_depth" in r}
     assert lambdas == {"pretrain": 0.0, "flexloop": 1.0}
     assert all(0 <= r["charts/cells_changed"] <= 36 for r in records if "charts/lambda_depth" in r)
-    final = gcdqn.load_checkpoint(run_dir / "final.pt")
+    final = flexloop_run.load_checkpoint(run_dir / "final.pt")
     assert final["updates"] == 4 * 3 and final["global_step"] == 4 * 16 * 10
-    assert final["phase"] == "flexloop" and gcdqn.load_checkpoint(run_dir / "pretrained.pt")["phase"] == "pretrain"
+    assert final["phase"] == "flexloop" and flexloop_run.load_checkpoint(run_dir / "pretrained.pt")["phase"] == "pretrain"
 
 
 def test_checkpoint_loads_in_a_fresh_process(tmp_path):
     run_dir = gcdqn.train(tiny_args(tmp_path, pretrain_epochs=0))
-    code = ("import torch, flexloop_gcdqn as g; c = g.load_checkpoint(r'%s'); n, a = g.network_from_checkpoint(c); "
+    code = ("import torch, flexloop_gcdqn as g, flexloop_run; c = flexloop_run.load_checkpoint(r'%s'); n, a = g.network_from_checkpoint(c); "
             "q = n.all_depths(torch.zeros(2, 36), torch.zeros(2, 36)); print(tuple(q.shape), a.depth)" % (run_dir / "final.pt"))
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "(5, 2, 2, 6) 5"
@@ -355,11 +356,11 @@ def test_resume_continues_steps_and_metrics_without_duplicates(tmp_path):
     full_dir = gcdqn.train(tiny_args(tmp_path / "full"))
     cut = tiny_args(tmp_path / "cut")
     run_dir = gcdqn.train(dataclasses.replace(cut, pretrain_epochs=1, num_epochs=0))  # stops after pretraining
-    checkpoint = gcdqn.load_checkpoint(run_dir / "latest.pt")
+    checkpoint = flexloop_run.load_checkpoint(run_dir / "latest.pt")
     assert checkpoint["iteration"] == 2
     # Resuming keeps the checkpoint's own flags, so extend the budget the way a killed run would have had it.
     checkpoint["args"]["num_epochs"] = 1
-    gcdqn.save_checkpoint(run_dir / "latest.pt", checkpoint)
+    flexloop_run.save_checkpoint(run_dir / "latest.pt", checkpoint)
     with open(run_dir / "metrics.jsonl", "a") as f:  # a record the killed run wrote after its checkpoint
         f.write(json.dumps({"global_step": 10 ** 9, "phase": "flexloop"}) + "\n")
     resumed_dir = gcdqn.train(dataclasses.replace(cut, resume=str(run_dir / "latest.pt")))
@@ -367,12 +368,12 @@ def test_resume_continues_steps_and_metrics_without_duplicates(tmp_path):
     steps = [(r["global_step"], tuple(sorted(r))) for r in read_metrics(run_dir)]
     full_steps = [(r["global_step"], tuple(sorted(r))) for r in read_metrics(full_dir)]
     assert steps == full_steps
-    assert gcdqn.load_checkpoint(run_dir / "final.pt")["updates"] == 4 * 3
+    assert flexloop_run.load_checkpoint(run_dir / "final.pt")["updates"] == 4 * 3
 
 
 def test_init_checkpoint_starts_post_training_from_pretrained_weights(tmp_path):
     pre_dir = iru_pretrain.main("gcdqn", tiny_args(tmp_path / "pre"))
-    pretrained = gcdqn.load_checkpoint(pre_dir / "final.pt")
+    pretrained = flexloop_run.load_checkpoint(pre_dir / "final.pt")
     assert pretrained["phase"] == "pretrain" and pretrained["args"]["lambda_depth"] == 0.0
     post_dir = gcdqn.train(tiny_args(tmp_path / "post", init_checkpoint=str(pre_dir / "final.pt"),
                                      updates_per_rollout=0 + 1, num_epochs=1))
@@ -388,23 +389,23 @@ def test_hostile_and_broken_checkpoints_are_refused(tmp_path):
             return (print, ("code ran",))
 
     hostile = tmp_path / "hostile.pt"
-    torch.save({"format": gcdqn.CHECKPOINT_FORMAT, "x": Payload()}, hostile)
+    torch.save({"format": flexloop_run.CHECKPOINT_FORMAT, "x": Payload()}, hostile)
     with pytest.raises(ValueError, match="because it can run code when loaded") as refused:
-        gcdqn.load_checkpoint(hostile)
+        flexloop_run.load_checkpoint(hostile)
     assert "weights_only" not in str(refused.value) and "Re-running" not in str(refused.value)
     truncated = tmp_path / "truncated.pt"
     run_dir = gcdqn.train(tiny_args(tmp_path / "run", pretrain_epochs=0))
     truncated.write_bytes((run_dir / "final.pt").read_bytes()[:1000])
     with pytest.raises(ValueError, match="corrupt|truncated"):
-        gcdqn.load_checkpoint(truncated)
+        flexloop_run.load_checkpoint(truncated)
     other = tmp_path / "other.pt"
     torch.save({"weights": torch.zeros(3)}, other)
     with pytest.raises(ValueError, match="not a FlexLoop checkpoint"):
-        gcdqn.load_checkpoint(other)
+        flexloop_run.load_checkpoint(other)
     with pytest.raises(ValueError, match="flexloop_gcdqn.py"):
-        gcdqn.load_checkpoint(run_dir / "final.pt", algorithm="gcppo")
+        flexloop_run.load_checkpoint(run_dir / "final.pt", algorithm="gcppo")
     with pytest.raises(FileNotFoundError):
-        gcdqn.load_checkpoint(tmp_path / "missing.pt")
+        flexloop_run.load_checkpoint(tmp_path / "missing.pt")
 
 
 def test_iru_pretrain_cli_runs(tmp_path):
@@ -413,7 +414,7 @@ def test_iru_pretrain_cli_runs(tmp_path):
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     (run_dir,) = tmp_path.iterdir()
-    assert gcdqn.load_checkpoint(run_dir / "final.pt")["args"]["lambda_depth"] == 0.0
+    assert flexloop_run.load_checkpoint(run_dir / "final.pt")["args"]["lambda_depth"] == 0.0
 
 
 def test_gpu_speedups_are_on_by_default_and_ignored_on_cpu(tmp_path, no_torch_compile):
@@ -454,7 +455,7 @@ def test_training_improves_success_on_a_small_task(tmp_path):
                       run_dir=str(tmp_path), seed=0)
     before = easy_task_success(gcdqn.build_network(args, "cpu"))
     run_dir = gcdqn.train(args)
-    network, _ = gcdqn.network_from_checkpoint(gcdqn.load_checkpoint(run_dir / "final.pt"))
+    network, _ = gcdqn.network_from_checkpoint(flexloop_run.load_checkpoint(run_dir / "final.pt"))
     after = easy_task_success(network)
     assert after > before + 0.015 and after > 1.5 * before, (before, after)
 
@@ -479,7 +480,7 @@ def test_captured_update_draws_a_fresh_batch_at_every_replay(compiled, all_actio
     loss_sums = torch.zeros(len(gcdqn.LOSS_NAMES), device=device)
     update = gcdqn.make_update(args, network, target_network, optimizer, replay, generator,
                                torch.zeros((), device=device), loss_sums, all_action_gradients=all_action_gradients)
-    update = gcdqn.capture_cuda_graph(torch.compile(update) if compiled else update, [generator])
+    update = flexloop_run.capture_cuda_graph(torch.compile(update) if compiled else update, [generator])
     draws = []
     for _ in range(3):
         batch = update()
@@ -509,7 +510,7 @@ def test_compiled_collection_acts_as_the_eager_one_does(exact_float32_matmuls):
     assert same_episode.float().mean() > 0.95, same_episode.float().mean()
 
     generator = torch.Generator(device).manual_seed(1)
-    collect = gcdqn.capture_cuda_graph(lambda: gcdqn.run_episode(network, env, args.depth, generator,
+    collect = flexloop_run.capture_cuda_graph(lambda: gcdqn.run_episode(network, env, args.depth, generator,
                                                                  compiled_logits), [generator, env.generator])
     first = collect()[1].clone()
     assert not torch.equal(first, collect()[1])

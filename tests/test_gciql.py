@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("ogbench")
 import flexloop_gciql as gciql  # noqa: E402
+import flexloop_run  # noqa: E402
 from envs import ogbench_data  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -344,20 +345,20 @@ def test_smoke_run_two_phases(smoke_run):
             assert evals[-1][f"eval/task_{t}/success_depth_{k}"] in (0.0, 1.0)
     assert all(math.isfinite(v) for r in train_records for k, v in r.items() if k.startswith("losses/"))
 
-    checkpoint = gciql.load_checkpoint(smoke_run / "final.pt")
+    checkpoint = flexloop_run.load_checkpoint(smoke_run / "final.pt")
     assert checkpoint["global_step"] == 12 and checkpoint["phase"] == "flexloop"
     assert checkpoint["env_id"] == PM and checkpoint["depth"] == 2 and checkpoint["algorithm"] == "gciql"
     assert checkpoint["args"]["lambda_depth"] == 0.3 and checkpoint["args"]["alpha"] == 0.003
-    assert gciql.load_checkpoint(smoke_run / "pretrained.pt")["global_step"] == 6
+    assert flexloop_run.load_checkpoint(smoke_run / "pretrained.pt")["global_step"] == 6
 
 
 def test_checkpoint_loads_in_a_fresh_process(smoke_run):
-    checkpoint = gciql.load_checkpoint(smoke_run / "final.pt")
+    checkpoint = flexloop_run.load_checkpoint(smoke_run / "final.pt")
     actor, _ = gciql.network_from_checkpoint(checkpoint)
     x = torch.linspace(-1, 1, 8).view(4, 2)
     expected = actor.all_depths(x, x.flip(0)).tolist()
-    code = ("import json, torch, flexloop_gciql as m\n"
-            f"actor, args = m.network_from_checkpoint(m.load_checkpoint({str(smoke_run / 'final.pt')!r}))\n"
+    code = ("import json, torch, flexloop_gciql as m, flexloop_run\n"
+            f"actor, args = m.network_from_checkpoint(flexloop_run.load_checkpoint({str(smoke_run / 'final.pt')!r}))\n"
             "x = torch.linspace(-1, 1, 8).view(4, 2)\n"
             "print(json.dumps([actor.depth, args.env_name, actor.all_depths(x, x.flip(0)).tolist()]))\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=SUBPROCESS_ENV, capture_output=True,
@@ -375,14 +376,14 @@ def test_resume_from_pretrained_checkpoint_continues_the_run(smoke_run, tmp_path
     for name in ["pretrained.pt", "metrics.jsonl"]:
         (run_copy / name).write_bytes((smoke_run / name).read_bytes())
     args = gciql.Args(resume=str(run_copy / "pretrained.pt"), run_dir="ignored-on-resume")
-    checkpoint = gciql.load_checkpoint(run_copy / "pretrained.pt")
+    checkpoint = flexloop_run.load_checkpoint(run_copy / "pretrained.pt")
     checkpoint["args"]["run_dir"] = str(tmp_path)
-    gciql.save_checkpoint(run_copy / "pretrained.pt", checkpoint)
+    flexloop_run.save_checkpoint(run_copy / "pretrained.pt", checkpoint)
     assert gciql.train(args) == run_copy
     steps = [r["global_step"] for r in read_metrics(run_copy) if "losses/critic_loss" in r]
     assert steps == [3, 6, 9, 12]  # nothing repeated or lost
-    resumed = gciql.load_checkpoint(run_copy / "final.pt")
-    original = gciql.load_checkpoint(smoke_run / "final.pt")
+    resumed = flexloop_run.load_checkpoint(run_copy / "final.pt")
+    original = flexloop_run.load_checkpoint(smoke_run / "final.pt")
     for name, tensor in original["model"].items():  # the same RNG streams and data give the same weights
         torch.testing.assert_close(resumed["model"][name], tensor)
 
@@ -405,7 +406,7 @@ def test_iru_pretrain_gciql_subcommand(data_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir,) = tmp_path.iterdir()
     assert "iru_pretrain_gciql" in run_dir.name
-    checkpoint = gciql.load_checkpoint(run_dir / "final.pt")
+    checkpoint = flexloop_run.load_checkpoint(run_dir / "final.pt")
     assert checkpoint["global_step"] == 4 and checkpoint["phase"] == "pretrain"
     assert checkpoint["args"]["lambda_depth"] == 0.0 and checkpoint["args"]["total_steps"] == 0
 
@@ -437,14 +438,14 @@ def test_bad_flags(overrides, message):
 
 def test_bad_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        gciql.load_checkpoint(tmp_path / "missing.pt")
+        flexloop_run.load_checkpoint(tmp_path / "missing.pt")
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="is a text file, not a FlexLoop checkpoint"):
-        gciql.load_checkpoint(tmp_path / "junk.pt")
-    torch.save({"format": gciql.CHECKPOINT_FORMAT, "algorithm": "gcdqn", "args": {}, "env_id": "BoxPick-Exact-4-v0",
+        flexloop_run.load_checkpoint(tmp_path / "junk.pt")
+    torch.save({"format": flexloop_run.CHECKPOINT_FORMAT, "algorithm": "gcdqn", "args": {}, "env_id": "BoxPick-Exact-4-v0",
                 "depth": 5, "model": {}}, tmp_path / "dqn.pt")
     with pytest.raises(ValueError, match="flexloop_gcdqn.py"):
-        gciql.load_checkpoint(tmp_path / "dqn.pt")
+        flexloop_run.load_checkpoint(tmp_path / "dqn.pt", gciql.ALGORITHM)
 
 
 def test_bf16_update_keeps_heads_in_float32_and_the_loss_close(data_dir, tmp_path):
@@ -464,4 +465,4 @@ def test_bf16_update_keeps_heads_in_float32_and_the_loss_close(data_dir, tmp_pat
     torch.testing.assert_close(half, full, rtol=0.05, atol=0.05)
     assert not torch.equal(half, full)  # the matmuls did run in bf16
     run_dir = gciql.train(replace(tiny_args(data_dir, tmp_path), bf16=True))
-    assert gciql.load_checkpoint(run_dir / "final.pt")["args"]["bf16"] is True
+    assert flexloop_run.load_checkpoint(run_dir / "final.pt")["args"]["bf16"] is True

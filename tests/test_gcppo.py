@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import envs
 import flexloop_gcdqn
 import flexloop_gcppo as gcppo
+import flexloop_run
 import iru_pretrain
 from envs.lightsout import min_solution_length
 
@@ -265,8 +266,8 @@ def test_cli_two_phase_run_checkpoints_and_resume(tmp_path):
     last_eval = [r for r in records if "eval/train/success_depth_1" in r][-1]
     assert {f"eval/{s}/success_depth_{k}" for s in ["train", "unseen"] for k in [1, 2, 3]} <= set(last_eval)
 
-    pretrained = gcppo.load_checkpoint(run_dir / "pretrained.pt")
-    final = gcppo.load_checkpoint(run_dir / "final.pt")
+    pretrained = flexloop_run.load_checkpoint(run_dir / "pretrained.pt")
+    final = flexloop_run.load_checkpoint(run_dir / "final.pt")
     assert final["global_step"] == 256 and final["iteration"] == 4 and final["phase"] == "flexloop"
     assert pretrained["teacher_model"] is None
     for name, tensor in pretrained["model"].items():  # the teacher is the pretrained model at the switch
@@ -280,7 +281,7 @@ def test_cli_two_phase_run_checkpoints_and_resume(tmp_path):
     gcppo.train(gcppo.Args(resume=str(run_dir / "pretrained.pt"), cuda=False))
     train_records = [r for r in read_metrics(run_dir) if "losses/policy_loss" in r]
     assert [r["global_step"] for r in train_records] == [64, 128, 192, 256]
-    resumed = gcppo.load_checkpoint(run_dir / "final.pt")
+    resumed = flexloop_run.load_checkpoint(run_dir / "final.pt")
     for name, tensor in pretrained["model"].items():
         assert torch.equal(resumed["teacher_model"][name], tensor)
 
@@ -294,14 +295,14 @@ def test_iru_pretrain_then_flexloop_uses_teacher_values(tmp_path):
     run_dir = iru_pretrain.main("gcppo", tiny_args(tmp_path, exp_name=default.exp_name))
     assert run_dir.name.split("__")[1] == "iru_pretrain_gcppo"
     assert {r["phase"] for r in read_metrics(run_dir)} == {"pretrain"}
-    checkpoint = gcppo.load_checkpoint(run_dir / "final.pt")
+    checkpoint = flexloop_run.load_checkpoint(run_dir / "final.pt")
 
     # A teacher whose value is the constant 7: the student starts as its copy, so with teacher targets its value
     # loss is exactly 0 throughout (the value head gets no gradient); GAE returns differ from 7 by the rewards.
     with torch.no_grad():
         checkpoint["model"]["critic.weight"].zero_()
         checkpoint["model"]["critic.bias"].fill_(7.0)
-    gcppo.save_checkpoint(tmp_path / "teacher.pt", checkpoint)
+    flexloop_run.save_checkpoint(tmp_path / "teacher.pt", checkpoint)
     for teacher_targets in [True, False]:
         run_dir = gcppo.train(tiny_args(tmp_path / str(teacher_targets), init_checkpoint=str(tmp_path / "teacher.pt"),
                                         teacher_value_targets=teacher_targets))
@@ -311,7 +312,7 @@ def test_iru_pretrain_then_flexloop_uses_teacher_values(tmp_path):
             assert value_losses == [0.0, 0.0]
         else:
             assert min(value_losses) > 0.01
-        final = gcppo.load_checkpoint(run_dir / "final.pt")
+        final = flexloop_run.load_checkpoint(run_dir / "final.pt")
         assert final["teacher_model"]["critic.bias"].item() == 7.0
 
 
@@ -475,7 +476,7 @@ def test_timeout_bootstrap_value_or_zero(tmp_path):
 
 def test_reference_ppo_choices_smoke_run_and_cli(spied_runs):
     run_dir = spied_runs["reference"]["run_dir"]
-    final = gcppo.load_checkpoint(run_dir / "final.pt")
+    final = flexloop_run.load_checkpoint(run_dir / "final.pt")
     assert final["iteration"] == SPY_ITERATIONS
     assert {k: final["args"][k] for k in REFERENCE_CHOICES} == REFERENCE_CHOICES  # a resume keeps them
     records = [r for r in read_metrics(run_dir) if "losses/policy_loss" in r]
@@ -485,7 +486,7 @@ def test_reference_ppo_choices_smoke_run_and_cli(spied_runs):
 
     flags = ["--hard-reset-every", "3", "--advantage-norm", "rollout", "--minibatch-layout", "time-rows",
              "--obs-norm-update", "before-epochs"]
-    parsed = gcppo.parse_args(flags)
+    parsed = flexloop_run.parse_args(gcppo.Args, flags)
     assert (parsed.hard_reset_every, parsed.advantage_norm, parsed.minibatch_layout, parsed.obs_norm_update) == \
         (3, "rollout", "time-rows", "before-epochs")
     # The defaults: the authors' three choices that showed no loss against CleanRL's, and our normaliser order,
@@ -493,7 +494,7 @@ def test_reference_ppo_choices_smoke_run_and_cli(spied_runs):
     defaults = gcppo.Args()
     assert (defaults.hard_reset_every, defaults.advantage_norm, defaults.minibatch_layout,
             defaults.obs_norm_update) == (3, "rollout", "time-rows", "after-epochs")
-    assert gcppo.parse_args(["--hard-reset-every", "0", "--advantage-norm", "minibatch", "--minibatch-layout",
+    assert flexloop_run.parse_args(gcppo.Args, ["--hard-reset-every", "0", "--advantage-norm", "minibatch", "--minibatch-layout",
                              "rows"]).minibatch_layout == "rows"  # CleanRL's choices stay one flag away
 
 
@@ -538,7 +539,7 @@ def test_captured_update_trains_as_the_eager_update_does(compiled, exact_float32
         eager_index.copy_(rows[i])
         eager_update()
     graphed, graphed_index, graphed_sums, graphed_update = trainer()
-    replay = gcppo.capture_cuda_graph(torch.compile(graphed_update) if compiled else graphed_update, [])
+    replay = flexloop_run.capture_cuda_graph(torch.compile(graphed_update) if compiled else graphed_update, [])
     for i in range(4):
         graphed_index.copy_(rows[i])
         replay()
@@ -573,18 +574,18 @@ def test_bad_flags(tmp_path, overrides, message):
 
 def test_bad_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        gcppo.load_checkpoint(tmp_path / "missing.pt")
+        flexloop_run.load_checkpoint(tmp_path / "missing.pt")
     (tmp_path / "notes.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="is a text file, not a FlexLoop checkpoint"):
-        gcppo.load_checkpoint(tmp_path / "notes.pt")
-    other = {"format": gcppo.CHECKPOINT_FORMAT, "algorithm": "gcdqn", "args": {}, "env_id": "BoxPick-Exact-4-v0",
+        flexloop_run.load_checkpoint(tmp_path / "notes.pt")
+    other = {"format": flexloop_run.CHECKPOINT_FORMAT, "algorithm": "gcdqn", "args": {}, "env_id": "BoxPick-Exact-4-v0",
              "depth": 5, "model": {}}
     torch.save(other, tmp_path / "gcdqn.pt")
     with pytest.raises(ValueError, match="use flexloop_gcdqn.py"):
-        gcppo.load_checkpoint(tmp_path / "gcdqn.pt")
+        flexloop_run.load_checkpoint(tmp_path / "gcdqn.pt", gcppo.ALGORITHM)
     ours = {"args": dataclasses.asdict(tiny_args(tmp_path, depth=4)), "env_id": "LightsOut-4x5-v0"}
     with pytest.raises(ValueError, match="--depth 4"):
-        gcppo.check_compatible(ours, tiny_args(tmp_path))
+        flexloop_run.check_compatible(gcppo, ours, tiny_args(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -601,7 +602,7 @@ def test_training_solves_one_press_goals(tmp_path):
     torch.manual_seed(args.seed)
     before = gcppo.evaluate(gcppo.build_network(args, "cpu"), easy, seed=123)["eval/train/success_depth_3"].item()
     run_dir = gcppo.train(args)
-    network, _ = gcppo.network_from_checkpoint(gcppo.load_checkpoint(run_dir / "final.pt"))
+    network, _ = gcppo.network_from_checkpoint(flexloop_run.load_checkpoint(run_dir / "final.pt"))
     after = gcppo.evaluate(network, easy, seed=123)["eval/train/success_depth_3"].item()
     assert before < 0.12
     assert after > before + 0.15, (before, after)
@@ -635,10 +636,10 @@ def test_flax_init_is_lecun_normal_kernels_zero_biases_and_forget_bias_one(backb
 
 def test_init_and_adam_eps_reach_the_run_and_its_checkpoint(tmp_path):
     run_dir = gcppo.train(tiny_args(tmp_path, init="flax", adam_eps=1e-8))
-    final = gcppo.load_checkpoint(run_dir / "final.pt")
+    final = flexloop_run.load_checkpoint(run_dir / "final.pt")
     assert final["args"]["init"] == "flax"
     assert all(group["eps"] == 1e-8 for group in final["optimizer"]["param_groups"])
-    parsed = gcppo.parse_args(["--init", "flax", "--adam-eps", "1e-8"])
+    parsed = flexloop_run.parse_args(gcppo.Args, ["--init", "flax", "--adam-eps", "1e-8"])
     assert (parsed.init, parsed.adam_eps) == ("flax", 1e-8)
     assert (gcppo.Args().init, gcppo.Args().adam_eps) == ("cleanrl", 1e-5)  # defaults unchanged until screened
     with pytest.raises(ValueError, match="--adam-eps must be positive"):
@@ -653,7 +654,7 @@ def test_every_lightsout_screen_variant_is_flags_the_script_accepts():
     variants = dict(re.findall(r'^\s+\[([\w-]+)\]="([^"]*)"', script, flags=re.M))
     assert {"defaults", "cleanrl", "candidate", "ref-loss", "flax-init", "authors-neutral"} <= set(variants)
     for name, flags in variants.items():
-        args = gcppo.parse_args(flags.split(), prog=name)
+        args = flexloop_run.parse_args(gcppo.Args, flags.split(), prog=name)
         gcppo.check_args(args)
         # authors-neutral, screened against CleanRL's choices, is what became the defaults
         assert (args != gcppo.Args()) == (name not in ("defaults", "authors-neutral")), name

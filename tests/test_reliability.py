@@ -6,6 +6,7 @@ tests/test_gc*.py and tests/test_eval_adaptive.py cover the cases not repeated h
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import eval_adaptive as ea
+import flexloop_run
 import flexloop_gcdqn as gcdqn
 import flexloop_gciql as gciql
 import flexloop_gcppo as gcppo
@@ -68,10 +70,10 @@ def read_metrics(run_dir):
 # ---------------------------------------------------------------------------------------------------------
 # Kill and resume: real runs in a subprocess
 # ---------------------------------------------------------------------------------------------------------
-def start(script, flags, runs, log):
+def start(script, flags, runs, log, env=SUBPROCESS_ENV):
     """The script's CLI in a fresh process; its output goes to a file (a full pipe would block it)."""
     command = [sys.executable, f"flexloop_{script}.py", *cli(flags), "--run-dir", str(runs)]
-    return subprocess.Popen(command, cwd=ROOT, env=SUBPROCESS_ENV, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def run_folder(runs):
@@ -111,7 +113,7 @@ def dqn_progress(run_dir):
     """What a kill must not change: every record's step, phase, counters and keys, and the final counters."""
     records = [(r["global_step"], r["phase"], r.get("charts/iteration"), r.get("charts/updates"), sorted(r))
                for r in read_metrics(run_dir)]
-    final = gcdqn.load_checkpoint(run_dir / "final.pt")
+    final = flexloop_run.load_checkpoint(run_dir / "final.pt")
     return records, {key: final[key] for key in ("iteration", "updates", "global_step", "phase")}
 
 
@@ -120,14 +122,15 @@ def test_sigterm_saves_latest_and_exits_then_resume_continues_steps_metrics_and_
     to have written any) and exits 0. --resume (a fresh process, W&B offline) finishes the run with the same
     steps and records as the uninterrupted run, refilling the replay, under the same W&B run id."""
     runs, log_path = tmp_path / "runs", tmp_path / "log.txt"
+    env = {**SUBPROCESS_ENV, "WANDB_DIR": str(tmp_path)}  # W&B's ./wandb, here in tmp_path
     with open(log_path, "w") as log:
-        process = start("gcdqn", {**DQN, "save_every": 1000, "track": True}, runs, log)
+        process = start("gcdqn", {**DQN, "save_every": 1000, "track": True}, runs, log, env)
         wait_until(lambda: count_logged(runs, "losses/td_loss") >= 3, process, log_path)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
     run_dir = run_folder(runs)
     assert "SIGTERM: saved" in log_path.read_text() and not (run_dir / "final.pt").exists()
-    checkpoint = gcdqn.load_checkpoint(run_dir / "latest.pt")
+    checkpoint = flexloop_run.load_checkpoint(run_dir / "latest.pt")
     last_record = [r for r in read_metrics(run_dir) if "losses/td_loss" in r][-1]
     assert 3 <= checkpoint["iteration"] < DQN_INTERVALS  # stopped mid-run
     assert (checkpoint["iteration"], checkpoint["global_step"]) == (last_record["charts/iteration"],
@@ -136,14 +139,16 @@ def test_sigterm_saves_latest_and_exits_then_resume_continues_steps_metrics_and_
     assert wandb_id
 
     resumed = subprocess.run([sys.executable, "flexloop_gcdqn.py", "--resume", str(run_dir / "latest.pt")], cwd=ROOT,
-                             env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120)
+                             env=env, capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "the replay refills" in resumed.stdout
     assert dqn_progress(run_dir) == dqn_progress(uninterrupted)
     assert (run_dir / "pretrained.pt").exists()
-    assert gcdqn.load_checkpoint(run_dir / "final.pt")["wandb_id"] == wandb_id
-    offline_runs = [p.name for p in (run_dir / "wandb").glob("offline-run-*")]
+    assert flexloop_run.load_checkpoint(run_dir / "final.pt")["wandb_id"] == wandb_id
+    offline_runs = [p.name for p in (tmp_path / "wandb").glob("offline-run-*")]
     assert len(offline_runs) == 2 and all(wandb_id in name for name in offline_runs), offline_runs
+    synced = re.search(r"W&B ran offline; upload the run with\n\s+wandb sync (\S+)", resumed.stdout)
+    assert (ROOT / synced.group(1)).resolve().parent == (tmp_path / "wandb").resolve()  # plain `wandb sync`'s place
 
 
 def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, uninterrupted):
@@ -157,7 +162,7 @@ def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, uninterrupt
         process.wait(timeout=60)
     run_dir = run_folder(runs)
     assert not (run_dir / "final.pt").exists()
-    assert gcdqn.load_checkpoint(run_dir / "latest.pt")["iteration"] < DQN_INTERVALS
+    assert flexloop_run.load_checkpoint(run_dir / "latest.pt")["iteration"] < DQN_INTERVALS
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"global_step": 99999, "phase": "pre')  # a record the kill cut short
     assert gcdqn.train(gcdqn.Args(resume=str(run_dir / "latest.pt"))) == run_dir
@@ -180,7 +185,7 @@ def test_sigterm_saves_and_resume_finishes_the_run(tmp_path, data_dir, script, k
         assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
     run_dir = run_folder(runs)
     assert "SIGTERM: saved" in log_path.read_text() and not (run_dir / "final.pt").exists()
-    checkpoint = module.load_checkpoint(run_dir / "latest.pt")
+    checkpoint = flexloop_run.load_checkpoint(run_dir / "latest.pt")
     last_record = [r for r in read_metrics(run_dir) if key in r][-1]
     # saved where it stopped (GC-IQL can stop between logs), mid-run
     assert last_record["global_step"] <= checkpoint["global_step"] < last_record["global_step"] + step_size
@@ -189,7 +194,7 @@ def test_sigterm_saves_and_resume_finishes_the_run(tmp_path, data_dir, script, k
     module.train(module.Args(resume=str(run_dir / "latest.pt")))
     steps = [r["global_step"] for r in read_metrics(run_dir) if key in r]
     assert steps == [step_size * i for i in range(1, records + 1)]  # none repeated, none missing
-    final = module.load_checkpoint(run_dir / "final.pt")
+    final = flexloop_run.load_checkpoint(run_dir / "final.pt")
     assert (final["global_step"], final[counter]) == (step_size * records, final_count)
 
 
@@ -206,23 +211,17 @@ def test_a_resumed_run_started_from_init_checkpoint_stays_post_training(tmp_path
                                       **{budget: doubled}))
     run_dir = module.train(script_args(script, tmp_path / "cut", data_dir, init_checkpoint=init))
     # stop it where it ended, as if its budget had been twice this: a killed run's latest.pt and no final.pt
-    checkpoint = module.load_checkpoint(run_dir / "latest.pt")
+    checkpoint = flexloop_run.load_checkpoint(run_dir / "latest.pt")
     checkpoint["args"][budget] *= 2
-    module.save_checkpoint(run_dir / "latest.pt", checkpoint)
+    flexloop_run.save_checkpoint(run_dir / "latest.pt", checkpoint)
     (run_dir / "final.pt").unlink()
     module.train(module.Args(resume=str(run_dir / "latest.pt")))
     records = read_metrics(run_dir)
     assert {r["phase"] for r in records} == {"flexloop"}
     steps = [r["global_step"] for r in records]
     assert steps == sorted(steps) and steps[-1] == read_metrics(direct)[-1]["global_step"]
-    assert module.load_checkpoint(run_dir / "final.pt")["global_step"] == \
-        module.load_checkpoint(direct / "final.pt")["global_step"]
-
-
-def test_readme_says_a_resumed_run_refills_its_replay():
-    readme = (ROOT / "README.md").read_text()
-    assert "`--resume` restarts with an empty replay that refills" in readme
-    assert "## When things go wrong" in readme
+    assert flexloop_run.load_checkpoint(run_dir / "final.pt")["global_step"] == \
+        flexloop_run.load_checkpoint(direct / "final.pt")["global_step"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -230,7 +229,7 @@ def test_readme_says_a_resumed_run_refills_its_replay():
 # stays behind; an OSError names the fix
 # ---------------------------------------------------------------------------------------------------------
 def checkpoint_payload(module, interval):
-    return {"format": module.CHECKPOINT_FORMAT, "algorithm": module.ALGORITHM, "args": {}, "env_id": "env",
+    return {"format": flexloop_run.CHECKPOINT_FORMAT, "algorithm": module.ALGORITHM, "args": {}, "env_id": "env",
             "depth": 2, "model": {"w": torch.full((100_000,), float(interval))}, "iteration": interval}
 
 
@@ -256,7 +255,7 @@ class DiskFull:
 
 
 def open_temp_files_with(make_file):
-    """A stand-in for the script's open(): checkpoint temp files come from make_file, the rest as usual."""
+    """A stand-in for flexloop_run's open(): checkpoint temp files come from make_file, the rest as usual."""
     def fake_open(path, mode="r", *args, **kwargs):
         if str(path).endswith(".tmp") and "w" in mode:
             return make_file(path)
@@ -287,36 +286,36 @@ def rename_fails(monkeypatch, module):
 
 
 def disk_full(monkeypatch, module):
-    monkeypatch.setattr(module, "open", open_temp_files_with(DiskFull), raising=False)
+    monkeypatch.setattr(flexloop_run, "open", open_temp_files_with(DiskFull), raising=False)
     return OSError, "No space left on device.*previous checkpoint is intact. Free disk space"
 
 
 def real_full_device(monkeypatch, module):
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full on this system")
-    monkeypatch.setattr(module, "open", open_temp_files_with(lambda path: open("/dev/full", "wb")), raising=False)
+    monkeypatch.setattr(flexloop_run, "open", open_temp_files_with(lambda path: open("/dev/full", "wb")),
+                        raising=False)
     return OSError, "No space left on device.*Free disk space"
 
 
 def unwritable_folder(monkeypatch, module):
     def refuse(path):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-    monkeypatch.setattr(module, "open", open_temp_files_with(refuse), raising=False)
+    monkeypatch.setattr(flexloop_run, "open", open_temp_files_with(refuse), raising=False)
     return OSError, "Permission denied.*point --run-dir at a writable folder"
 
 
 @pytest.mark.parametrize("failure", [crash_in_torch_save, interrupt_before_rename, rename_fails, disk_full,
                                      real_full_device, unwritable_folder])
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch, script, failure):
-    module = SCRIPTS[script]
+def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch, failure):
+    module = gcdqn  # every script saves through flexloop_run.save_checkpoint
     path = tmp_path / "latest.pt"
-    module.save_checkpoint(path, checkpoint_payload(module, 1))
+    flexloop_run.save_checkpoint(path, checkpoint_payload(module, 1))
     error, message = failure(monkeypatch, module)
     with pytest.raises(error, match=message):
-        module.save_checkpoint(path, checkpoint_payload(module, 2))
+        flexloop_run.save_checkpoint(path, checkpoint_payload(module, 2))
     monkeypatch.undo()
-    previous = module.load_checkpoint(path)
+    previous = flexloop_run.load_checkpoint(path)
     assert previous["iteration"] == 1 and torch.equal(previous["model"]["w"], torch.ones(100_000))
     assert [p.name for p in tmp_path.iterdir()] == ["latest.pt"]  # no temp file left behind
 
@@ -328,13 +327,13 @@ def test_disk_full_mid_run_stops_with_a_clear_error_and_keeps_the_last_checkpoin
         writes.append(path)
         return DiskFull(path) if len(writes) >= 4 else open(path, "wb")
 
-    monkeypatch.setattr(gcdqn, "open", open_temp_files_with(fills_up_at_the_fourth_write), raising=False)
+    monkeypatch.setattr(flexloop_run, "open", open_temp_files_with(fills_up_at_the_fourth_write), raising=False)
     # saves: latest.pt at intervals 1 and 2, pretrained.pt at 3, then latest.pt at 3 finds the disk full
     with pytest.raises(OSError, match="could not write checkpoint .*latest.pt.*Free disk space"):
         gcdqn.train(gcdqn.Args(**{**DQN, "intervals_per_epoch": 3, "save_every": 1}, run_dir=str(tmp_path)))
     run_dir = run_folder(tmp_path)
-    assert gcdqn.load_checkpoint(run_dir / "latest.pt")["iteration"] == 2
-    assert gcdqn.load_checkpoint(run_dir / "pretrained.pt")["iteration"] == 3
+    assert flexloop_run.load_checkpoint(run_dir / "latest.pt")["iteration"] == 2
+    assert flexloop_run.load_checkpoint(run_dir / "pretrained.pt")["iteration"] == 3
     assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp")]
 
 
@@ -349,8 +348,8 @@ def test_an_unwritable_run_folder_fails_before_training(tmp_path, monkeypatch, d
 # ---------------------------------------------------------------------------------------------------------
 # Hostile and broken checkpoints, through every loader
 # ---------------------------------------------------------------------------------------------------------
-LOADERS = {"gcdqn": gcdqn.load_checkpoint, "gcppo": gcppo.load_checkpoint, "gciql": gciql.load_checkpoint,
-           "eval_adaptive": lambda path: ea.load_any_checkpoint(path)[1]}
+LOADERS = {"gcdqn": flexloop_run.load_checkpoint, "gcppo": flexloop_run.load_checkpoint,
+           "gciql": flexloop_run.load_checkpoint, "eval_adaptive": lambda path: flexloop_run.load_any_checkpoint(path)[1]}
 
 
 class MakeFolder:
@@ -383,7 +382,7 @@ def test_a_checkpoint_carrying_code_is_refused_without_running_it(tmp_path, load
 @pytest.mark.parametrize("loader", ["gcppo", "gciql", "eval_adaptive"])
 def test_a_truncated_checkpoint_is_refused(tmp_path, loader):
     module = SCRIPTS[algorithm_of(loader)]
-    module.save_checkpoint(tmp_path / "whole.pt", checkpoint_payload(module, 1))
+    flexloop_run.save_checkpoint(tmp_path / "whole.pt", checkpoint_payload(module, 1))
     data = (tmp_path / "whole.pt").read_bytes()
     (tmp_path / "cut.pt").write_bytes(data[:len(data) // 2])
     with pytest.raises(ValueError, match="corrupt or truncated"):
@@ -409,7 +408,7 @@ def test_a_checkpoint_missing_a_key_is_refused(tmp_path, loader):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_resuming_from_a_weights_only_checkpoint_names_the_missing_state(tmp_path, script):
     module = SCRIPTS[script]
-    module.save_checkpoint(tmp_path / "shared.pt", checkpoint_payload(module, 1))  # model, no optimiser or RNG
+    flexloop_run.save_checkpoint(tmp_path / "shared.pt", checkpoint_payload(module, 1))  # model, no optimiser or RNG
     with pytest.raises(ValueError, match=r"lacks \[.*'optimizer', 'rng'.*\], which resuming needs.*--init-checkpoint"):
         module.train(module.Args(resume=str(tmp_path / "shared.pt"), run_dir=str(tmp_path / "runs")))
     assert not (tmp_path / "runs").exists()
@@ -425,7 +424,7 @@ def test_a_pretrained_checkpoint_from_another_env_or_depth_is_refused(tmp_path, 
     module = SCRIPTS[script]
     their_args = replace(script_args(script, tmp_path, data_dir), **theirs)
     env_id = their_args.env_id if script == "gcdqn" else their_args.env_name
-    module.save_checkpoint(tmp_path / "pretrained.pt", {**checkpoint_payload(module, 1), "args": asdict(their_args),
+    flexloop_run.save_checkpoint(tmp_path / "pretrained.pt", {**checkpoint_payload(module, 1), "args": asdict(their_args),
                                                         "env_id": env_id, "depth": their_args.depth})
     with pytest.raises(ValueError, match=message):
         module.train(script_args(script, tmp_path / "runs", data_dir, init_checkpoint=str(tmp_path / "pretrained.pt")))
@@ -452,7 +451,7 @@ def poison(monkeypatch, module, name, bad_calls, part=None):
 
 
 def assert_finite_checkpoint(module, path, counter, value):
-    checkpoint = module.load_checkpoint(path)
+    checkpoint = flexloop_run.load_checkpoint(path)
     assert checkpoint[counter] == value
     assert all(torch.isfinite(t).all() for t in checkpoint["model"].values())
 
@@ -502,15 +501,14 @@ def test_gcdqn_future_discount_outside_0_1_is_refused(tmp_path, future_discount)
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_a_resumed_run_projects_its_time_only_after_two_iterations_of_its_own(script):
+def test_a_resumed_run_projects_its_time_only_after_two_iterations_of_its_own():
     """The projected run time waits for two iterations (or 15 s) counted from where this process started. A run
     resumed at iteration 100 of 200 once projected from its first two updates: "16 s for the whole run" for a run
     that took 11 minutes more."""
     import io
 
     from tqdm import tqdm
-    run = object.__new__(SCRIPTS[script].Run)
+    run = object.__new__(flexloop_run.Run)
     run.progress = tqdm(total=200_000, initial=100_000, file=io.StringIO())
     run.iteration = run.first_iteration = 100
     run.first_tick, run.projected, run.started = None, False, time.perf_counter()
@@ -530,32 +528,28 @@ def test_a_resumed_run_takes_the_machine_flags_from_the_command_line(script):
     module = SCRIPTS[script]
     checkpoint = {"args": {"require_cuda": True, "cuda": False, "save_every_minutes": 2.0}, "run_name": "r",
                   "rng": {}, "global_step": 1, "updates": 1, **{part: {} for part in module.CHECKPOINT_PARTS}}
-    args = module.resumed_args(checkpoint, module.Args(resume="latest.pt"))
+    args = flexloop_run.resumed_args(module, checkpoint, module.Args(resume="latest.pt"))
     assert (args.require_cuda, args.cuda, args.save_every_minutes) == (False, True, 2.0)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_random_streams_saved_on_another_kind_of_device_restart_from_a_seed(script, capsys):
+def test_random_streams_saved_on_another_kind_of_device_restart_from_a_seed(capsys):
     """A CUDA generator's state (16 bytes) does not fit a CPU generator: the stream restarts from a seed taken from
     the saved state, the same one every time, and the run says so. A state of the same kind is restored exactly."""
-    module = SCRIPTS[script]
     same, other = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
-    saved = module.rng_state({"same": same})
+    saved = flexloop_run.rng_state({"same": same})
     saved["other"] = torch.arange(16, dtype=torch.uint8)  # what a CUDA generator's get_state() returns
     expected_same = torch.rand(3, generator=same)
-    module.set_rng_state(saved, {"same": same, "other": other})
+    flexloop_run.set_rng_state(saved, {"same": same, "other": other})
     assert torch.equal(torch.rand(3, generator=same), expected_same)
     first = torch.rand(3, generator=other)
-    module.set_rng_state(saved, {"same": same, "other": other})
+    flexloop_run.set_rng_state(saved, {"same": same, "other": other})
     assert torch.equal(torch.rand(3, generator=other), first)
     assert "['other'] were saved on another kind of device" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_an_optimiser_state_from_a_gpu_run_loads_with_this_devices_settings(script):
+def test_an_optimiser_state_from_a_gpu_run_loads_with_this_devices_settings():
     """Adam's capturable flag (on for CUDA graphs) saved by a GPU run must not follow the state onto a CPU, where
     a capturable Adam refuses to step."""
-    module = SCRIPTS[script]
     weight = torch.nn.Parameter(torch.ones(3))
     on_gpu = torch.optim.Adam([weight], capturable=False)
     weight.grad = torch.ones(3)
@@ -563,10 +557,10 @@ def test_an_optimiser_state_from_a_gpu_run_loads_with_this_devices_settings(scri
     saved = on_gpu.state_dict()
     saved["param_groups"][0]["capturable"] = True  # as a GPU run writes it
     here = torch.optim.Adam([weight], capturable=False)
-    here.load_state_dict(module.on_this_device(saved, here))
+    here.load_state_dict(flexloop_run.on_this_device(saved, here))
     here.step()
     assert here.param_groups[0]["capturable"] is False and here.state[weight]["step"].item() == 2
-    assert module.on_this_device({"w": 1}, torch.nn.Linear(1, 1)) == {"w": 1}  # any other part: as it is
+    assert flexloop_run.on_this_device({"w": 1}, torch.nn.Linear(1, 1)) == {"w": 1}  # any other part: as it is
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -577,6 +571,6 @@ def test_an_init_checkpoint_from_before_a_network_flag_is_read_as_its_run_had_it
     theirs = asdict(module.Args())
     del theirs["backbone"]
     init = {"args": theirs, "env_id": getattr(module.Args(), module.ENV_FLAG)}
-    module.check_compatible(init, module.Args())
+    flexloop_run.check_compatible(module, init, module.Args())
     with pytest.raises(ValueError, match="trained with depth=5 but this run has depth=4; pass --depth 5"):
-        module.check_compatible(init, module.Args(depth=4))
+        flexloop_run.check_compatible(module, init, module.Args(depth=4))
