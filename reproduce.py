@@ -104,10 +104,16 @@ def output(job, data_dir):
 
 
 def is_done(job, data_dir):
+    """A dataset when its files are there, a training run at its final.pt, an evaluation when its results.json is
+    newer than the checkpoints it read (a run done again is evaluated again)."""
     if job.run.kind == "data":
         return all((data_dir / name).exists() for name in job.run.creates)
     if job.run.kind == "eval":
-        return (job.folder / "results.json").exists()
+        results, trained = job.folder / "results.json", [need for need in job.needs if need.run.kind == "train"]
+        if not results.exists() or not all(is_done(need, data_dir) for need in trained):
+            return False
+        return all(results.stat().st_mtime >= (output(need, data_dir) / "final.pt").stat().st_mtime
+                   for need in trained)
     run_folder = output(job, data_dir)
     return run_folder is not None and (run_folder / "final.pt").exists()
 
@@ -466,7 +472,8 @@ def print_tables(study, jobs, seeds, runs_dir):
             print(f"\n{home}: no {run.name} table yet ({sum(j.state == 'done' for j in evals)} of {len(evals)} "
                   "seeds evaluated)")
             continue
-        if not (path.exists() and path.read_text().startswith(header)):
+        newest = max((job.folder / "results.json").stat().st_mtime for job in evals)
+        if not (path.exists() and path.read_text().startswith(header) and path.stat().st_mtime >= newest):
             path.write_text(header + table_text([job.folder / "results.json" for job in evals]))
         print("\n" + path.read_text(), end="")
 

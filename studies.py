@@ -124,7 +124,8 @@ def own_pretraining(name, about, variants, budget=BOXPICK):
         runs += [boxpick_pretrain(env_id, budget, *flags, name=f"pretrain-{key}"),
                  boxpick_post(f"flexloop-{key}", env_id, budget, *flags, "--lambda-depth", "1",
                               start=f"pretrain-{key}")]
-        checkpoints |= {label: f"{{pretrain-{key}}}/final.pt", f"FlexLoop-{label}": f"{{flexloop-{key}}}/final.pt"}
+        flexloop = label.replace("IRU", "FlexLoop") if label.startswith("IRU") else f"FlexLoop-{label}"
+        checkpoints |= {label: f"{{pretrain-{key}}}/final.pt", flexloop: f"{{flexloop-{key}}}/final.pt"}
     return Study(name, about, (*runs, evaluate("eval", checkpoints, *budget.eval)))
 
 

@@ -325,6 +325,13 @@ def test_boxpick_study_survives_sigterm_and_completes(tiny):
     (pretrain,) = (runs / "pretrain" / "seed1").glob("*/final.pt")
     assert torch.load(flexloop, weights_only=True)["args"]["init_checkpoint"] == str(pretrain)
 
+    flexloop.touch()  # as if FlexLoop had been run again: its evaluation is out of date, and only that
+    plan = reproduce("tiny-boxpick", *tiny, "--dry-run").stdout
+    assert [line for line in plan.splitlines() if line.startswith("#")] == [
+        "# tiny-boxpick/pretrain seed 1: done", "# tiny-boxpick/flexloop seed 1: done",
+        "# tiny-boxpick/control seed 1: done", "# tiny-boxpick/eval seed 1 (after tiny-boxpick/pretrain seed 1, "
+        "tiny-boxpick/flexloop seed 1, tiny-boxpick/control seed 1)"]
+
 
 @pytest.mark.slow
 def test_ogbench_study_survives_ctrl_c_and_completes(tiny):
