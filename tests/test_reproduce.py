@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-import studies
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # studies.py beside reproduce.py, wherever pytest starts
+import studies  # noqa: E402
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 TINY_STUDIES = '''
