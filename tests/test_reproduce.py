@@ -53,13 +53,21 @@ def one_line_error(result, *fragments):
         assert fragment in lines[0], lines[0]
 
 
+@dataclasses.dataclass
+class Tiny:
+    flags: list  # reproduce.py's flags that run the tiny studies on the CPU, in runs and data
+    runs: Path
+    data: Path
+
+
 @pytest.fixture
 def tiny(tmp_path):
-    """A studies file with the tiny studies, and the flags that run them on the CPU in tmp_path."""
+    """A studies file with the tiny studies, and where they run."""
     path = tmp_path / "tiny_studies.py"
     path.write_text(TINY_STUDIES.replace("PRETRAIN_EPOCHS", "12"))
-    return ["--studies-file", path, "--runs-dir", tmp_path / "runs", "--data-dir", tmp_path / "data", "--no-cuda",
-            "--workers", "2", "--seeds", "1"]
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    return Tiny(["--studies-file", path, "--runs-dir", runs, "--data-dir", data, "--no-cuda", "--workers", "2",
+                 "--seeds", "1"], runs, data)
 
 
 # ----------------------------------------------------------------------------------------------- the studies
@@ -299,23 +307,24 @@ def check_three_invocations(args, interrupted_run, sig, expected):
     return second.stdout
 
 
-def expected_artifacts(study, env_id, extra=()):
+def expected_artifacts(study, env_id, seeds=(1,), extra=()):
     """The folders and files of a finished tiny study: its three training runs, the evaluation and the table."""
     trained = ("pretrain", "flexloop", "control")
-    return sorted([f"{study}/{run}/seed1/{env_id}__{study}-{run}__1/final.pt" for run in trained]
-                  + [f"{study}/{run}/seed1/reproduce.json" for run in (*trained, "eval")]
-                  + [f"{study}/eval.table.md", f"{study}/eval/seed1/results.json", *extra])
-
-
-BOXPICK_ARTIFACTS = expected_artifacts("tiny-boxpick", "BoxPick-Exact-4-v0")
+    return sorted([f"{study}/{run}/seed{seed}/{env_id}__{study}-{run}__{seed}/final.pt"
+                   for run in trained for seed in seeds]
+                  + [f"{study}/{run}/seed{seed}/reproduce.json" for run in (*trained, "eval") for seed in seeds]
+                  + [f"{study}/eval/seed{seed}/results.json" for seed in seeds] + [f"{study}/eval.table.md", *extra])
 
 
 @pytest.mark.slow
 def test_boxpick_study_survives_sigterm_and_completes(tiny):
-    out = check_three_invocations(["tiny-boxpick", *tiny], tiny[3] / "tiny-boxpick" / "pretrain" / "seed1",
-                                  signal.SIGTERM, BOXPICK_ARTIFACTS)
-    assert "| IRU-5 | train |" in out and "| Self-TD-Only | unseen |" in out
-    runs = tiny[3] / "tiny-boxpick"
+    """Two seeds, so that the table is over seeds (mean ± std)."""
+    out = check_three_invocations(["tiny-boxpick", *tiny.flags, "--seeds", "1", "2"],
+                                  tiny.runs / "tiny-boxpick" / "pretrain" / "seed1", signal.SIGTERM,
+                                  expected_artifacts("tiny-boxpick", "BoxPick-Exact-4-v0", seeds=(1, 2)))
+    assert "2 seeds: " in out and re.search(r"\| IRU-5 \| train \| [0-9.]+ ± [0-9.]+ \|", out), out
+    assert "| Self-TD-Only | unseen |" in out
+    runs = tiny.runs / "tiny-boxpick"
     import torch
     for run, updates in [("pretrain", 12 * 2 * 3), ("flexloop", 2 * 2 * 3), ("control", 2 * 2 * 3)]:
         (final,) = (runs / run / "seed1").glob("*/final.pt")
@@ -326,7 +335,7 @@ def test_boxpick_study_survives_sigterm_and_completes(tiny):
     assert torch.load(flexloop, weights_only=True)["args"]["init_checkpoint"] == str(pretrain)
 
     flexloop.touch()  # as if FlexLoop had been run again: its evaluation is out of date, and only that
-    plan = reproduce("tiny-boxpick", *tiny, "--dry-run").stdout
+    plan = reproduce("tiny-boxpick", *tiny.flags, "--dry-run").stdout
     assert [line for line in plan.splitlines() if line.startswith("#")] == [
         "# tiny-boxpick/pretrain seed 1: done", "# tiny-boxpick/flexloop seed 1: done",
         "# tiny-boxpick/control seed 1: done", "# tiny-boxpick/eval seed 1 (after tiny-boxpick/pretrain seed 1, "
@@ -337,11 +346,11 @@ def test_boxpick_study_survives_sigterm_and_completes(tiny):
 def test_ogbench_study_survives_ctrl_c_and_completes(tiny):
     expected = expected_artifacts("ogbench-pointmaze-large", "pointmaze-large-stitch-v0",
                                   extra=["ogbench-pointmaze-large/data/reproduce.json"])
-    out = check_three_invocations(["ogbench-pointmaze-large", *tiny],
-                                  tiny[3] / "ogbench-pointmaze-large" / "pretrain" / "seed1", signal.SIGINT, expected)
+    out = check_three_invocations(["ogbench-pointmaze-large", *tiny.flags],
+                                  tiny.runs / "ogbench-pointmaze-large" / "pretrain" / "seed1", signal.SIGINT, expected)
     assert "| FlexLoop | task1 |" in out
-    assert sorted(p.name for p in tiny[5].iterdir()) == ["pointmaze-large-stitch-v0-val.npz",
-                                                        "pointmaze-large-stitch-v0.npz"]
+    assert sorted(path.name for path in tiny.data.iterdir()) == ["pointmaze-large-stitch-v0-val.npz",
+                                                                "pointmaze-large-stitch-v0.npz"]
 
 
 @pytest.mark.slow
@@ -351,10 +360,11 @@ def test_submitit_local_executor_requeues_on_timeout_and_survives_sigterm(tiny, 
     writes latest.pt, and requeues the job, which resumes) and the study completes; a third prints its table."""
     pytest.importorskip("submitit")
     (tmp_path / "tiny_studies.py").write_text(TINY_STUDIES.replace("PRETRAIN_EPOCHS", "250"))  # over 60 s
-    args = ["tiny-boxpick", *tiny, "--slurm-local", "--time", "3", "--signal-delay", "120",
+    args = ["tiny-boxpick", *tiny.flags, "--slurm-local", "--time", "3", "--signal-delay", "120",
             "--slurm-logs", tmp_path / "slurm-logs"]
-    check_three_invocations(args, tiny[3] / "tiny-boxpick" / "pretrain" / "seed1", signal.SIGTERM, BOXPICK_ARTIFACTS)
-    log = (tiny[3] / "tiny-boxpick" / "pretrain" / "seed1" / "log.txt").read_text()
+    pretrain = tiny.runs / "tiny-boxpick" / "pretrain" / "seed1"
+    check_three_invocations(args, pretrain, signal.SIGTERM, expected_artifacts("tiny-boxpick", "BoxPick-Exact-4-v0"))
+    log = (pretrain / "log.txt").read_text()
     assert log.count("--resume") >= 2  # resumed after the SIGTERM, and after the time-out's requeue
     submitit_logs = "".join(path.read_text() for path in (tmp_path / "slurm-logs").glob("*_log.out"))
     assert "Calling checkpoint method" in submitit_logs and "Requeued job" in submitit_logs
