@@ -1,6 +1,10 @@
 """envs/ant_expert.py: SAC learns on an easy task, resumes exactly, runs on the ant, and fails clearly. CPU."""
 
 import dataclasses
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import gymnasium
 import numpy as np
@@ -10,6 +14,8 @@ import torch
 pytest.importorskip("ogbench")
 
 from envs import ant_expert as ae  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class DirectionBandit(gymnasium.Env):
@@ -84,7 +90,9 @@ def test_resume_and_max_minutes_continue_the_same_run(tmp_path, capsys):
 def test_ant_train_and_evaluate_smoke(tmp_path):
     args = ae.TrainArgs(total_steps=40, learning_starts=20, batch_size=16, hidden_dims=(32, 32),
                         run_dir=str(tmp_path / "run"), expert_path=str(tmp_path / "expert.pt"), log_every=20)
-    ae.train(args)
+    assert ae.main(["train", "--total-steps", "40", "--learning-starts", "20", "--batch-size", "16",
+                    "--hidden-dims", "32", "32", "--run-dir", args.run_dir, "--expert-path", args.expert_path,
+                    "--log-every", "20"]) == 0
     env = ae.make_env("online-ant-xy-v0")
     assert env.observation_space.shape == (29,) and env.action_space.shape == (8,)  # 27 ant + the direction z
     _, info = ae.load_expert(args.expert_path)
@@ -92,6 +100,29 @@ def test_ant_train_and_evaluate_smoke(tmp_path):
     result = ae.evaluate(ae.EvaluateArgs(expert_path=args.expert_path, episodes=1, maze_episodes=2))
     assert np.isfinite(result["speed_mean"]) and result["episodes"] == 1
     assert 0.0 <= result["reached"] <= 1.0 and 0.0 <= result["at_goal_at_end"] <= 1.0
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch, mujoco and ogbench
+def test_sigterm_saves_and_stops(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "envs.ant_expert", "train", "--total-steps", "1000000", "--learning-starts", "50",
+         "--batch-size", "8", "--hidden-dims", "16", "16", "--log-every", "25", "--run-dir", str(run_dir),
+         "--expert-path", str(tmp_path / "expert.pt")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        for line in proc.stdout:  # wait until it is updating
+            if line.startswith("step 100/"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "stopped (SIGTERM)" in out, out
+    state = torch.load(run_dir / "state.pt", weights_only=True)
+    assert 100 <= state["global_step"] < 1_000_000
+    assert not (tmp_path / "expert.pt").exists()  # the expert is written only when training is done
 
 
 def test_sac_losses_match_the_recipe():
