@@ -342,6 +342,8 @@ def train(args):
     device = resolve_device(args.device)
     env = make_env(args.env_id)
     obs_dim, action_dim = env.observation_space.shape[0], env.action_space.shape[0]
+    if not (np.all(env.action_space.low == -1.0) and np.all(env.action_space.high == 1.0)):
+        raise SystemExit(f"error: {args.env_id}'s actions are not in [-1, 1], the tanh policy's range")
 
     # seeding: torch for init and sampling, numpy's global RNG for the wrapper's directions, a Generator for
     # the random warm-up actions
