@@ -503,12 +503,20 @@ def _maze_episode(w, env_name, seed):
     return ep, {"reached": reached, "at_goal_at_end": bool(info["success"])}
 
 
+def _file_dtype(key):
+    # OGBench's file layout: terminals bool, button_states int64, everything else float32
+    return bool if key == "terminals" else np.int64 if key == "button_states" else np.float32
+
+
 def _collect_episode(task):
     env_name, episode_steps, expert_path, seed = task
     w = _worker_setup(env_name, episode_steps, expert_path)
     if get_spec(env_name).family == "manipulation":
-        return _manip_episode(w, env_name, seed)
-    return _maze_episode(w, env_name, seed)
+        ep, stats = _manip_episode(w, env_name, seed)
+    else:
+        ep, stats = _maze_episode(w, env_name, seed)
+    # arrays in the file's dtypes: a tenth of the memory of lists of per-step arrays, and cheap to send back
+    return {k: np.asarray(v, dtype=_file_dtype(k)) for k, v in ep.items()}, stats
 
 
 def _write_npz(f, arrays):
@@ -523,15 +531,11 @@ def _write_npz(f, arrays):
 
 
 def _write_npz_files(paths_and_episodes):
-    """Write each (path, episodes) in OGBench's file layout: every file lands, or none does.
-    Layout: terminals bool, button_states int64, everything else float32."""
+    """Write each (path, episodes) in OGBench's file layout: every file lands, or none does."""
     tmps = []
     try:
         for path, episodes in paths_and_episodes:
-            arrays = {}
-            for k in episodes[0]:
-                dtype = bool if k == "terminals" else np.int64 if k == "button_states" else np.float32
-                arrays[k] = np.concatenate([np.asarray(ep[k], dtype=dtype) for ep in episodes])
+            arrays = {k: np.concatenate([ep[k] for ep in episodes]).astype(_file_dtype(k)) for k in episodes[0]}
             tmp = path + ".tmp"
             tmps.append(tmp)
             with open(tmp, "wb") as f:
