@@ -354,19 +354,20 @@ class SubmititLauncher:
 def schedule(jobs, launcher, data_dir, machine_flags, track, status_every):
     """Start each job once the jobs it needs are done, as the launcher has room; skip those whose needs failed.
     Returns True when a stop signal ended it."""
-    stop = []  # the handler only notes the signal; the loop passes it on to every run, once each
+    stop = []  # the handler only notes the signal (printing there could interrupt a print); the loop acts on it
 
     def request_stop(signum, frame):
-        if not stop:
-            print(f"\n{signal.Signals(signum).name}: stopping every run (each writes latest.pt); run the same "
-                  "command again to go on", flush=True)
         stop.append(signum)
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     running, told, shown, last_shown = [], set(), None, 0.0
     try:
         while True:
-            for job in running:
+            if stop and not told:
+                print(f"\n{signal.Signals(stop[0]).name}: stopping every run (each writes latest.pt); run the same "
+                      "command again to go on", flush=True)
+                told.add(None)
+            for job in running:  # each run is told once
                 if stop and id(job) not in told:
                     launcher.stop(job)
                     told.add(id(job))
