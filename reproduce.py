@@ -192,7 +192,7 @@ def take_lock(folder):
 
 
 def start_child(make_argv, folder, env=None):
-    """The run, holding its folder's lock, in a session of its own, so that a terminal's Ctrl-C reaches it once,
+    """The run, holding its folder's lock, in a process group of its own, so that a terminal's Ctrl-C reaches it once,
     through reproduce.py; SIGUSR2 ignored, since SLURM sends it to every process of a job before a time-out, and
     submitit handles it. The command is made once the lock is held: making it may clear an unstarted run folder."""
     lock = take_lock(folder)
@@ -505,7 +505,8 @@ def parse(argv):
     parser.add_argument("--track", action="store_true", help="log every run to W&B, grouped by study")
     parser.add_argument("--status-every", type=float, default=300, help="reprint the status table this often (s)")
     local = parser.add_argument_group("this machine")
-    local.add_argument("--gpus", type=int, nargs="+", metavar="ID", help="the GPUs to use (default: every GPU nvidia-smi lists)")
+    local.add_argument("--gpus", type=int, nargs="+", metavar="ID", help="the GPUs to use (default: every GPU "
+                       "nvidia-smi lists)")
     local.add_argument("--per-gpu", type=int, default=1, help="runs per GPU at once")
     local.add_argument("--no-cuda", action="store_true", help="run on the CPU (tests, tiny studies)")
     local.add_argument("--workers", type=int, default=1, help="with --no-cuda: runs at once")
