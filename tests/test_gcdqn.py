@@ -445,6 +445,7 @@ def easy_task_success(network, num_envs=2048, steps=10, seed=0):
     return info["episode_success"].mean().item()
 
 
+@pytest.mark.slow
 def test_training_improves_success_on_a_small_task(tmp_path):
     """About 4,000 updates on Generalize-1-1 (one box, one target; 20-step episodes; gamma 0.9) must raise
     success on short one-box tasks well above the untrained policy's (about 0.02; 2,048 episodes, so the

@@ -397,6 +397,7 @@ def test_init_checkpoint_runs_flexloop_only_and_checks_shapes(smoke_run, data_di
         gciql.train(tiny_args(data_dir, tmp_path, depth=3, init_checkpoint=str(smoke_run / "pretrained.pt")))
 
 
+@pytest.mark.slow
 def test_iru_pretrain_gciql_subcommand(data_dir, tmp_path):
     command = [sys.executable, "iru_pretrain.py", "gciql", "--env-name", PM, "--dataset-dir", str(data_dir),
                "--no-download", "--run-dir", str(tmp_path), "--no-cuda", "--depth", "2", "--hidden-dim", "16",
@@ -448,6 +449,7 @@ def test_bad_checkpoints(tmp_path):
         flexloop_run.load_checkpoint(tmp_path / "dqn.pt", gciql.ALGORITHM)
 
 
+@pytest.mark.slow
 def test_bf16_update_keeps_heads_in_float32_and_the_loss_close(data_dir, tmp_path):
     """--bf16 runs the networks' matmuls in bf16 but every head (V, Q, the actor's mean) in float32, so the loss
     stays within bf16's precision of the float32 one, and a run trains end to end."""

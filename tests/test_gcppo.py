@@ -591,6 +591,7 @@ def test_bad_checkpoints(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 # Learning happens
 # ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_training_solves_one_press_goals(tmp_path):
     """About 20 s of CPU PPO on one-press goals (5-step episodes) lifts deterministic success far above the
     untrained policy's (about 0.06)."""

@@ -208,6 +208,7 @@ def test_a_checkpoint_naming_a_module_that_is_not_a_flexloop_script_is_refused_b
 # ---------------------------------------------------------------------------------------------------------
 # Stopping and resuming
 # ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_ctrl_c_saves_latest_prints_the_resume_command_and_the_run_resumes_to_completion(tmp_path):
     """Ctrl-C (SIGINT) mid-iteration: the run stops within an update, writes latest.pt as SIGTERM does, prints how
     to resume and exits 0 without a traceback; the printed command finishes the run with every planned update.
@@ -265,35 +266,46 @@ class CallsPrint:
         return print, ("this ran",)
 
 
-def test_errors_raised_on_purpose_are_one_line_and_debug_shows_the_traceback(tmp_path):
+def test_errors_raised_on_purpose_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("FLEXLOOP_DEBUG", raising=False)
     (tmp_path / "notes.txt").write_text("not a checkpoint\n")
     torch.save({"format": flexloop_run.CHECKPOINT_FORMAT, "model": {"w": CallsPrint()}}, tmp_path / "hostile.pt")
-    cases = [(["flexloop_gcdqn.py", "--env-id", "Nope-v0"], "--env-id 'Nope-v0' is not an env of gcdqn"),
-             (["flexloop_gcppo.py", "--depth", "1"], "--depth must be at least 2"),
-             (["flexloop_gcdqn.py", "--resume", tmp_path / "notes.txt"], "is a text file, not a FlexLoop checkpoint"),
-             (["flexloop_gcdqn.py", "--init-checkpoint", tmp_path / "hostile.pt", "--no-cuda"],
-              "because it can run code when loaded"),
-             (["eval_adaptive.py", "--checkpoints", tmp_path / "missing.pt", "--no-cuda"], "does not exist")]
-    for command, message in cases:
-        out = run(command)
-        assert out.returncode == 1, (command, out.stdout, out.stderr)
-        assert message in out.stderr and "Traceback" not in out.stderr, (command, out.stderr)
-        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
-        assert "this ran" not in out.stdout and "Re-running" not in out.stderr and "weights_only" not in out.stderr
+    cases = [(gcdqn, ["--env-id", "Nope-v0"], "--env-id 'Nope-v0' is not an env of gcdqn"),
+             (gcppo, ["--depth", "1"], "--depth must be at least 2"),
+             (gcdqn, ["--resume", tmp_path / "notes.txt"], "is a text file, not a FlexLoop checkpoint"),
+             (gcdqn, ["--init-checkpoint", tmp_path / "hostile.pt", "--no-cuda"], "because it can run code when loaded"),
+             (ea, ["--checkpoints", tmp_path / "missing.pt", "--no-cuda"], "does not exist")]
+    for module, argv, message in cases:  # in this process, as each script's __main__ runs them
+        main = module.main if module is ea else module.train
+        with pytest.raises(SystemExit) as exit, flexloop_run.errors_in_one_line():
+            main(flexloop_run.parse_args(module.Args, [*map(str, argv), "--run-dir" if module is not ea else
+                                                       "--out-dir", str(tmp_path / "out")]))
+        out = capsys.readouterr()
+        assert exit.value.code == 1 and message in out.err and len(out.err.strip().splitlines()) == 1, out.err
+        assert "this ran" not in out.out and "Traceback" not in out.err and "weights_only" not in out.err
+    monkeypatch.setenv("FLEXLOOP_DEBUG", "1")
+    with pytest.raises(ValueError, match="is not an env of gcdqn"), flexloop_run.errors_in_one_line():
+        gcdqn.train(gcdqn.Args(env_id="Nope-v0"))
+    # and as a user sees them: one line, exit status 1; --debug shows the traceback
+    out = run(["flexloop_gcdqn.py", "--env-id", "Nope-v0"])
+    assert out.returncode == 1 and out.stderr.strip().splitlines() == [
+        "flexloop_gcdqn.py: error: --env-id 'Nope-v0' is not an env of gcdqn; choose one of "
+        f"{list(gcdqn.ENV_IDS)}  (--debug shows the traceback)"], out.stderr
     debug = run(["flexloop_gcdqn.py", "--env-id", "Nope-v0", "--debug"])
     assert debug.returncode != 0 and "Traceback" in debug.stderr
-    debug = run(["flexloop_gcdqn.py", "--env-id", "Nope-v0"], env={**ENV, "FLEXLOOP_DEBUG": "1"})
-    assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
-def test_iru_pretrain_help_exits_0_and_shows_the_values_it_really_uses():
-    out = run(["iru_pretrain.py", "--help"])
-    assert out.returncode == 0 and "gcdqn" in out.stdout and "PATH.py" in out.stdout
-    out = run(["iru_pretrain.py", "gcdqn", "--help"])
-    assert out.returncode == 0, out.stderr
-    assert re.search(r"--lambda-depth FLOAT\s+weight of the adjacent-depth KL.*\(default: 0\.0\)", out.stdout)
-    assert re.search(r"--num-epochs INT\s+FlexLoop post-training epochs \(default: 0\)", out.stdout)
-    assert "(default: iru_pretrain_gcdqn)" in out.stdout
+def test_iru_pretrain_help_exits_0_and_shows_the_values_it_really_uses(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    for argv in (["--help"], ["gcdqn", "--help"]):
+        with pytest.raises(SystemExit) as exit:
+            iru_pretrain.cli(argv)
+        assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert "gcdqn" in out and "PATH.py" in out
+    assert re.search(r"--lambda-depth FLOAT\s+weight of the adjacent-depth KL.*\(default: 0\.0\)", out)
+    assert re.search(r"--num-epochs INT\s+FlexLoop post-training epochs \(default: 0\)", out)
+    assert "(default: iru_pretrain_gcdqn)" in out
     refused = run(["iru_pretrain.py", "gcdqn", "--num-epochs", "3"])
     assert refused.returncode == 1 and "iru_pretrain.py fixes --num-epochs" in refused.stderr
     assert iru_pretrain.pretrain_default(gciql).lambda_depth == 0.0

@@ -117,6 +117,7 @@ def dqn_progress(run_dir):
     return records, {key: final[key] for key in ("iteration", "updates", "global_step", "phase")}
 
 
+@pytest.mark.slow
 def test_sigterm_saves_latest_and_exits_then_resume_continues_steps_metrics_and_wandb_run(tmp_path, uninterrupted):
     """SLURM preemption: SIGTERM mid-run writes latest.pt at the interval it stopped in (save_every is too large
     to have written any) and exits 0. --resume (a fresh process, W&B offline) finishes the run with the same
@@ -151,6 +152,7 @@ def test_sigterm_saves_latest_and_exits_then_resume_continues_steps_metrics_and_
     assert (ROOT / synced.group(1)).resolve().parent == (tmp_path / "wandb").resolve()  # plain `wandb sync`'s place
 
 
+@pytest.mark.slow
 def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, uninterrupted):
     """SIGKILL leaves no chance to save: the run resumes from the last periodic latest.pt (every 2 intervals), and
     the records the killed run wrote after it, the last one cut short mid-write, are dropped and written again."""
@@ -169,6 +171,7 @@ def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, uninterrupt
     assert dqn_progress(run_dir) == dqn_progress(uninterrupted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, key, step_size, records, counter, final_count", [
     ("gcppo", "losses/policy_loss", 64, 80, "iteration", 80),  # 64 env steps per iteration, logged every iteration
     ("gciql", "losses/critic_loss", 5, 80, "updates", 400),  # logged every 5 updates
@@ -198,8 +201,9 @@ def test_sigterm_saves_and_resume_finishes_the_run(tmp_path, data_dir, script, k
     assert (final["global_step"], final[counter]) == (step_size * records, final_count)
 
 
-@pytest.mark.parametrize("script, budget", [("gcdqn", "num_epochs"), ("gcppo", "total_timesteps"),
-                                            ("gciql", "total_steps")])
+@pytest.mark.parametrize("script, budget", [pytest.param("gcdqn", "num_epochs", marks=pytest.mark.slow),
+                                            ("gcppo", "total_timesteps"),
+                                            pytest.param("gciql", "total_steps", marks=pytest.mark.slow)])
 def test_a_resumed_run_started_from_init_checkpoint_stays_post_training(tmp_path, data_dir, script, budget):
     """--init-checkpoint skips pretraining, and so must the run's resume: its own flags still carry the
     --pretrain-* budget, which a resume that counted it would train (after the FlexLoop rows it had logged)."""
