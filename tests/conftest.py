@@ -11,6 +11,20 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
+# A GC-DQN run of a few seconds on a CPU: pretraining, then FlexLoop (test_layout.py, test_run.py)
+TINY_DQN = dict(num_envs=8, batch_size=8, updates_per_rollout=2, intervals_per_epoch=2, pretrain_epochs=1,
+                num_epochs=1, hidden_dim=16, eval_every=2, num_eval_envs=4, log_every=1, save_every=1,
+                episode_length=10, replay_episodes=2, cuda=False)
+
+
+def flags(values):
+    """Args field values as command-line flags: {"num_envs": 8, "cuda": False} -> --num-envs 8 --no-cuda."""
+    out = []
+    for key, value in values.items():
+        name = key.replace("_", "-")
+        out += ([f"--{name}" if value else f"--no-{name}"] if isinstance(value, bool) else [f"--{name}", str(value)])
+    return out
+
 
 @pytest.fixture
 def no_torch_compile(monkeypatch):

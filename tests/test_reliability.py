@@ -19,6 +19,7 @@ import torch
 
 import eval_adaptive as ea
 import flexloop_run
+from conftest import flags as as_flags
 import flexloop_gcdqn as gcdqn
 import flexloop_gciql as gciql
 import flexloop_gcppo as gcppo
@@ -55,14 +56,6 @@ def script_args(script, run_dir, data_dir=None, **overrides):
     return SCRIPTS[script].Args(**{**flags, "run_dir": str(run_dir), **overrides})
 
 
-def cli(flags):
-    out = []
-    for key, value in flags.items():
-        name = key.replace("_", "-")
-        out += ([f"--{name}" if value else f"--no-{name}"] if isinstance(value, bool) else [f"--{name}", str(value)])
-    return out
-
-
 def read_metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -72,7 +65,7 @@ def read_metrics(run_dir):
 # ---------------------------------------------------------------------------------------------------------
 def start(script, flags, runs, log, env=SUBPROCESS_ENV):
     """The script's CLI in a fresh process; its output goes to a file (a full pipe would block it)."""
-    command = [sys.executable, f"flexloop_{script}.py", *cli(flags), "--run-dir", str(runs)]
+    command = [sys.executable, f"flexloop_{script}.py", *as_flags(flags), "--run-dir", str(runs)]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 

@@ -19,21 +19,11 @@ import envs
 import flexloop_gcdqn as gcdqn
 import flexloop_gcppo as gcppo
 import flexloop_run
+from conftest import TINY_DQN, flags
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
 ENV.pop("FLEXLOOP_DEBUG", None)
-TINY_DQN = dict(num_envs=8, batch_size=8, updates_per_rollout=2, intervals_per_epoch=2, pretrain_epochs=1,
-                num_epochs=1, hidden_dim=16, eval_every=2, num_eval_envs=4, log_every=1, save_every=1,
-                episode_length=10, replay_episodes=2, cuda=False)
-
-
-def flags(values):
-    out = []
-    for key, value in values.items():
-        name = key.replace("_", "-")
-        out += ([f"--{name}" if value else f"--no-{name}"] if isinstance(value, bool) else [f"--{name}", str(value)])
-    return out
 
 
 def start(values, tmp_path, stdout):
