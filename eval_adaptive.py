@@ -187,7 +187,8 @@ def check_args(args: Args):
     if args.skip_eval and args.stress_eps is None:
         raise ValueError("--skip-eval has no calibrated eps for the stress test; pass --stress-eps (e.g. 0.02)")
     if args.require_cuda and not torch.cuda.is_available():
-        raise flexloop_run.NoGPUError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use --no-cuda")
+        raise flexloop_run.NoGPUError("--require-cuda was given but no CUDA GPU is visible; drop the flag or use "
+                                      "--no-cuda")
 
 
 def labels_for(args: Args):
@@ -789,7 +790,8 @@ class StressStepper:
     def step_bucketed(self):
         if self.sizes not in self.policy_runs:
             run = lambda s=self.sizes: self.bucketed_policy_into_buffers(s)  # noqa: E731
-            self.policy_runs[self.sizes] = flexloop_run.capture_cuda_graph(run, [], pool=self.pool) if self.use_graph else run
+            graphed = self.use_graph
+            self.policy_runs[self.sizes] = flexloop_run.capture_cuda_graph(run, [], pool=self.pool) if graphed else run
         self.policy_runs[self.sizes]()
         if self.use_graph:
             self.stats_host.copy_(self.stats, non_blocking=True)
