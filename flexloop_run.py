@@ -399,7 +399,7 @@ def check_finite(metrics, updates):
 
 def wandb_sync_command(wandb_run):
     """The command that uploads an offline W&B run, or None for an online one."""
-    if wandb_run is None or not wandb_run.settings._offline:
+    if wandb_run is None or wandb_run.settings.mode not in ("offline", "dryrun"):
         return None
     return f"wandb sync {os.path.relpath(Path(wandb_run.dir).parent)}"
 
