@@ -97,7 +97,7 @@ class NetworkArgs:
     init: Literal["flax", "pytorch"] = "flax"
     """flax: the reference's flax defaults, lecun_normal weights and zero biases; pytorch: nn.Linear's uniform
     weights and biases (both keep the forget-gate bias at +1). With pytorch's, Generalize-4-1 never leaves its
-    early exploration collapse; with flax's, 3 of 3 seeds pass 0.9 success by 250k updates (README)"""
+    early exploration collapse; with flax's, 3 of 3 seeds pass 0.9 success by 250k updates (docs/results/boxpick.md)"""
 
 
 @dataclass
@@ -125,8 +125,8 @@ class AlgorithmArgs:
     """alpha's loss drives the policy entropy H to -target_entropy nats"""
     alpha_loss: Literal["per-state", "batch-mean"] = "per-state"
     """per-state: mean over the batch of (H(s) + target_entropy)^2, as the reference's dqn_interp.py; batch-mean:
-    (mean H + target_entropy)^2, this script's loss before 2026-11-26, which settles at a colder alpha (the long runs
-    of runs.md that started with it resume with it)"""
+    (mean H + target_entropy)^2, this script's loss before 2026-11-26, which settles at a colder alpha (runs started
+    with it record it in their checkpoints' args and resume with it)"""
     replay_episodes: int = 100
     """episodes kept per env (100 x 100 steps = the reference's 10,000 steps per env)"""
     future_goal_fraction: float = 0.5
@@ -136,7 +136,8 @@ class AlgorithmArgs:
     future_goal_window: int = 0
     """0: a future goal may lie anywhere later in its episode. W > 1: as the reference's replay (rb.py), whose
     batches read windows of W stored steps not aligned to episodes, it must also lie inside such a window: the
-    offset is at most W - 1 - p, p uniform in 0..W-2 (shorter goals; no gain on Generalize-4-1, README)"""
+    offset is at most W - 1 - p, p uniform in 0..W-2 (shorter goals; no gain on Generalize-4-1:
+    docs/results/boxpick.md)"""
     gamma: float = 0.99
     """discount"""
 
@@ -186,7 +187,8 @@ class PerformanceArgs:
     about 2x faster there; ignored on CPU, where it does not pay)"""
     bf16: bool = True
     """on a GPU, run the update's network passes under bf16 autocast, every head in float32 (about 1.3x the TF32 update,
-    and it learns as TF32 does: BENCHMARKS.md); --no-bf16 for TF32. Ignored on CPU, where the update stays float32"""
+    and it learns as TF32 does: docs/benchmarks.md); --no-bf16 for TF32. Ignored on CPU, where the update stays
+    float32"""
 
 
 @dataclass
@@ -270,7 +272,7 @@ class EnsembleLinear(nn.Module):
 
     def forward(self, x):
         # bmm, then + bias: baddbmm would first copy the broadcast bias into a full-size output (12% of GC-DQN's
-        # compiled update, BENCHMARKS.md), while an add is fused into the kernels that read the result.
+        # compiled update, docs/benchmarks.md), while an add is fused into the kernels that read the result.
         out = torch.bmm(x.flatten(1, -2), self.weight)
         return (out + self.bias.to(out.dtype)).view(*x.shape[:-1], -1)  # bf16 stays bf16 under --bf16
 
@@ -712,7 +714,7 @@ def run_episode(network, env, depth, generator, policy_logits=None):
 def cells_changed(observations, lengths):
     """Per episode, how many cells differ between its first and last observation once the agent is removed: 0 when
     no box was moved, 2 for a box carried from one cell to another. Its mean falling to 0 during training means
-    exploration has collapsed: no box-moving goals enter the replay any more (README, Generalize)."""
+    exploration has collapsed: no box-moving goals enter the replay any more (docs/results/boxpick.md)."""
     last = observations[torch.arange(observations.shape[0], device=observations.device), lengths]
     return (remove_agent(last) != remove_agent(observations[:, 0])).sum(-1)
 

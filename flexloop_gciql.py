@@ -252,7 +252,7 @@ class EnsembleLinear(nn.Module):
 
     def forward(self, x):
         # bmm, then + bias: baddbmm would first copy the broadcast bias into a full-size output (12% of GC-DQN's
-        # compiled update, BENCHMARKS.md), while an add is fused into the kernels that read the result.
+        # compiled update, docs/benchmarks.md), while an add is fused into the kernels that read the result.
         out = torch.bmm(x.flatten(1, -2), self.weight)
         return (out + self.bias.to(out.dtype)).view(*x.shape[:-1], -1)  # bf16 stays bf16 under --bf16
 

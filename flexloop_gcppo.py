@@ -88,7 +88,7 @@ class NetworkArgs:
     """cleanrl: PyTorch's Linear init, orthogonal heads at 0.01 (actor) and 1.0 (critic) (ours); flax: flax's
     defaults, lecun_normal kernels and zero biases everywhere (the authors' lightsout/models/ppo.py). Both set
     the forget-gate bias to +1. Ours stays the default: with --adam-eps 1e-8 the authors' init reached 0.38
-    full-depth success at 50M against 0.51 (README, LightsOut screen)"""
+    full-depth success at 50M against 0.51 (docs/results/lightsout.md)"""
 
 
 @dataclass
@@ -115,7 +115,7 @@ class AlgorithmArgs:
     advantage_norm: Literal["minibatch", "rollout"] = "rollout"
     """with --norm-adv: once over the whole rollout before the epochs (the authors' lightsout/ppo.py, the default)
     or per minibatch (CleanRL's). The authors' choice is the default because ours showed no gain (with
-    --hard-reset-every and --minibatch-layout: README, LightsOut screen)"""
+    --hard-reset-every and --minibatch-layout: docs/results/lightsout.md)"""
     minibatch_layout: Literal["rows", "time-rows"] = "time-rows"
     """time-rows: whole time steps of all envs, num_steps / num_minibatches steps per minibatch, reshuffled every
     epoch (the authors' code: 5 steps x 2048 envs; the default, see --advantage-norm); rows: random (step, env)
@@ -123,7 +123,7 @@ class AlgorithmArgs:
     obs_norm_update: Literal["after-epochs", "before-epochs"] = "after-epochs"
     """when the running obs normaliser takes in a rollout: after its update epochs (ours: each update's first
     ratio is exactly 1), or before them and before the bootstrap values of GAE (the authors' code). Ours stays the
-    default: before-epochs reached 0.39 full-depth success at 50M against 0.51 (README, LightsOut screen)"""
+    default: before-epochs reached 0.39 full-depth success at 50M against 0.51 (docs/results/lightsout.md)"""
     timeout_bootstrap: Literal["value", "zero"] = "value"
     """a step truncated at max_episode_steps bootstraps from V(final obs) (ours; the value cannot see the clock),
     or from 0, as at a success (the authors' code in effect: its auto-reset wrapper replaces the state's info with
@@ -136,7 +136,7 @@ class AlgorithmArgs:
     """PPO's surrogate clipping coefficient (also clips the value change when clip_vloss)"""
     clip_vloss: bool = True
     """clipped value loss (CleanRL's default, ours). The authors' code does not clip it; with no gradient clipping
-    either, that reached 0.39 full-depth success at 50M against our 0.51 (README, LightsOut screen)"""
+    either, that reached 0.39 full-depth success at 50M against our 0.51 (docs/results/lightsout.md)"""
     ent_coef: float = 0.01
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
@@ -186,7 +186,7 @@ class PerformanceArgs:
     """capture the update in a CUDA graph and replay it (GPU only; --no-cuda-graph runs it eagerly)"""
     compile: bool = True
     """torch.compile the minibatch update on GPU (ignored on CPU, where it does not pay). With --cuda-graph, 4x the
-    eager loop on an H100 (BENCHMARKS.md); the README's LightsOut runs ran eagerly: --no-compile --no-cuda-graph"""
+    eager loop on an H100 (docs/benchmarks.md); the LightsOut results' runs ran eagerly: --no-compile --no-cuda-graph"""
 
 
 @dataclass
