@@ -13,7 +13,7 @@ protocol (start / advance / decide / divergence / gather / act). It reports:
   4. (--stress-envs) wall clock of whole env steps at full depth against compacted and masked adaptive inference;
   5. analysis: delta_k against D(pi_K, pi_k) in quantile bins, per-step depth traces, BoxPick frames.
 
-The stopping rule (REFERENCE.md §5): k* = min({k > k_min : delta_k < eps} ∪ {K}), acting with pi_{k*}, where
+The stopping rule (docs/reference.md, adaptive inference): k* = min({k > k_min : delta_k < eps} ∪ {K}), acting with pi_{k*}, where
     delta_k = divergence(pi_k, pi_{k-1}),
 the script's own divergence with the deeper policy first: the direction of its training loss KL(sg[pi_{k+1}] || pi_k)
 (for GC-DQN delta_k = KL(pi_k || pi_{k-1})). The paper writes D(pi_{k-1}, pi_k) for a generic D. delta_k is clamped
@@ -43,7 +43,7 @@ from envs.ogbench_data import DATASETS as OGBENCH_DATASETS
 # Safe checkpoint reading and one-line errors are the scripts' run plumbing (the same in every flexloop_*.py).
 import flexloop_run
 
-# The paper's eps grids (REFERENCE.md §5, appendix "Pareto Curve").
+# The paper's eps grids (docs/reference.md, adaptive inference, appendix "Pareto Curve").
 EPS_GRIDS = {
     "boxpick": (0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.1),
     "lightsout": tuple(np.linspace(0.0, 0.05, 11).round(6).tolist()),
@@ -103,7 +103,7 @@ class EvaluationArgs:
     num_eval_envs: Optional[int] = None
     """envs per split (default: BoxPick 1024, LightsOut 128) or episodes per task (OGBench, default 50)"""
     eps: tuple[float, ...] = ()
-    """stopping thresholds to sweep (default: the paper's grid for the env family, REFERENCE.md §5)"""
+    """stopping thresholds to sweep (default: the paper's grid for the env family, docs/reference.md, adaptive inference)"""
     k_min: int = 1
     """minimum depth: a row can stop at depths k > k_min only (0 <= k_min < K)"""
     retain: float = 0.99

@@ -4,9 +4,9 @@
 
 The loss is GC-DQN's TD loss at the full depth K plus
     lambda_depth * mean_{k<K} KL(sg[pi_{k+1}] || pi_k),   pi_k = softmax(Q_k / tau),
-where Q_k is the ensemble-mean Q-value read out after k recurrent steps (REFERENCE.md §1, §2).
+where Q_k is the ensemble-mean Q-value read out after k recurrent steps (docs/reference.md: the IRU, BoxPick).
 
-The paper's ablations and variants (§5.4, appendix C; REFERENCE.md §5) are flags of the FlexLoop phase:
+The paper's ablations and variants (§5.4, appendix C; docs/reference.md, adaptive inference) are flags of the FlexLoop phase:
     --ablation distill-only             no TD loss: lambda_depth * KL alone, from the pretrained weights
     --lambda-depth 0                    Self-TD Only: the TD loss at depth K alone
     --ablation anyk-td --lambda-depth 0 AnyK-TD: the TD loss at every depth (mean over k), no KL

@@ -3,7 +3,7 @@
     python flexloop_gciql.py --env-name pointmaze-large-stitch-v0                  # pretrain IRU-5, then FlexLoop
     python flexloop_gciql.py --env-name pointmaze-large-stitch-v0 --init-checkpoint runs/X/pretrained.pt
 
-GC-IQL as OGBench runs it (REFERENCE.md §4), with separate IRU networks for the value V(s, g), the critic
+GC-IQL as OGBench runs it (docs/reference.md, OGBench), with separate IRU networks for the value V(s, g), the critic
 Q(s, g, a) (an ensemble of 2) and the actor, all trained at the full depth K:
     value   expectile_0.9( min_i Q_target,i(s, g, a) - V(s, g) )
     critic  sum_i ( Q_i(s, g, a) - (r + gamma * mask * V(s', g)) )^2
@@ -176,7 +176,7 @@ class DatasetHyperparameters(NamedTuple):
     actor_goals: tuple[float, float, float]  # where the actor's goals come from: P(current, trajectory, random state)
 
 
-# Per-dataset hyperparameters (REFERENCE.md §4); --alpha and --lambda-depth override the first two.
+# Per-dataset hyperparameters (docs/reference.md, OGBench); --alpha and --lambda-depth override the first two.
 DATASET_HYPERPARAMETERS = {
     "scene-play-v0": DatasetHyperparameters(alpha=1.0, lambda_depth=0.05, actor_goals=(0.0, 1.0, 0.0)),
     "cube-double-play-v0": DatasetHyperparameters(alpha=1.0, lambda_depth=0.02, actor_goals=(0.0, 1.0, 0.0)),
@@ -269,7 +269,7 @@ class EnsembleLayerNorm(nn.Module):
 
 
 class IRU(nn.Module):
-    """`members` IRUs side by side, each read out after every one of K recurrent steps (REFERENCE.md §1):
+    """`members` IRUs side by side, each read out after every one of K recurrent steps (docs/reference.md, the IRU):
 
         x_emb = LayerNorm(Linear(x))                    x: the concatenated input
         z     = LayerNorm(concat[x_emb, h])            (paper variant: concat[x_emb, tanh(c)])

@@ -4,7 +4,7 @@
 
 The actor and the critic share one IRU trunk. The loss is PPO's at the full depth K plus
     lambda_depth * mean_{k<K} KL(sg[pi_{k+1}] || pi_k)
-on the minibatch states, where pi_k is the actor read out after k recurrent steps (REFERENCE.md §1, §3).
+on the minibatch states, where pi_k is the actor read out after k recurrent steps (docs/reference.md: the IRU, LightsOut).
 In the FlexLoop phase the value loss regresses V_K onto a frozen teacher's values V_teacher(s, g) instead of
 the GAE returns; the policy loss keeps the GAE advantages from the student's own values. The teacher is the
 --init-checkpoint model, or in a two-phase run (no --init-checkpoint) the pretrained model at the switch.
@@ -140,9 +140,9 @@ class AlgorithmArgs:
     ent_coef: float = 0.01
     """entropy bonus coefficient"""
     vf_coef: float = 0.5
-    """value loss coefficient (CleanRL's default; REFERENCE.md gives none)"""
+    """value loss coefficient (CleanRL's default; the paper gives none)"""
     max_grad_norm: float = 0.5
-    """gradient clipping norm (CleanRL's default, ours; REFERENCE.md gives none). The authors' code does not clip
+    """gradient clipping norm (CleanRL's default, ours; the paper gives none). The authors' code does not clip
     (--max-grad-norm inf); see --clip-vloss for the screen that kept ours"""
     adam_eps: float = 1e-5
     """Adam's epsilon (CleanRL's 1e-5, ours; the authors' code uses optax's default, 1e-8; screened with --init)"""

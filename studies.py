@@ -17,7 +17,7 @@ How to read a study:
 - Budgets are written out, not left to the scripts' defaults, so that a study says what it runs. A Budget holds the
   flags that size the runs; the tests build the same studies with a tiny Budget.
 
-Budgets are the paper's (REFERENCE.md), except where a comment says otherwise.
+Budgets are the paper's (docs/reference.md), except where a comment says otherwise.
 """
 
 from dataclasses import dataclass
@@ -173,7 +173,7 @@ def lightsout(budget=LIGHTSOUT, name="lightsout"):
 # 1M updates of IRU-5 pretraining, then 1M of post-training; evaluation: 50 episodes per task (eval_adaptive.py's)
 OGBENCH = Budget(pretrain=("--pretrain-steps", "1000000", "--hidden-dim", "256"),
                  post=("--total-steps", "1000000", "--hidden-dim", "256"))
-OGBENCH_DATASETS = {  # study name: (dataset, FlexLoop's lambda_depth, REFERENCE.md §4)
+OGBENCH_DATASETS = {  # study name: (dataset, FlexLoop's lambda_depth, docs/reference.md, OGBench)
     "ogbench-scene": ("scene-play-v0", "0.05"), "ogbench-cube-double": ("cube-double-play-v0", "0.02"),
     "ogbench-puzzle-4x4": ("puzzle-4x4-play-v0", "0.2"), "ogbench-antmaze-medium": ("antmaze-medium-stitch-v0", "0.03"),
     "ogbench-pointmaze-large": ("pointmaze-large-stitch-v0", "0.3")}

@@ -101,7 +101,7 @@ if __name__ == "__main__":
     parser.add_argument("checkpoint", nargs="?", help="a GC-DQN checkpoint (alpha)")
     cli = parser.parse_args()
     if cli.what == "alpha" and not cli.checkpoint:
-        parser.error("alpha needs a checkpoint, e.g. carry/BoxPick-Exact-4-v0__long__1__1795681532/latest.pt")
+        parser.error("alpha needs a checkpoint, e.g. checkpoints/BoxPick-Exact-3-v0__ref__2__1795933667/latest.pt")
     torch.manual_seed(0)
     measure = {"alpha": lambda: stationary_alpha(cli.checkpoint), "horizon": future_offsets, "init": initial_q_spread}
     print(json.dumps(measure[cli.what]()))

@@ -1,4 +1,4 @@
-"""BoxPick as whole-batch torch tensor ops (REFERENCE.md §2).
+"""BoxPick as whole-batch torch tensor ops (docs/reference.md, BoxPick).
 
 A 6x6 grid holds boxes, targets and one agent. The agent moves, picks up a box
 from its own cell and puts it down again. The goal is the solved grid: a box on

@@ -1,6 +1,6 @@
 """LightsOut-4x5 as a torch-batched, goal-conditioned vector env.
 
-Rules (REFERENCE.md section 3):
+Rules (docs/reference.md, LightsOut):
 - The board is 4 rows x 5 columns = 20 lights (0/1). There are 20 actions, one button per light.
   Pressing button i toggles light i and its up/down/left/right neighbours (no wraparound).
 - Buttons are flattened row-major: button i sits at row i // 5, column i % 5.

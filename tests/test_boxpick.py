@@ -1,4 +1,4 @@
-"""BoxPick rules (REFERENCE.md §2): transitions, reward, generators, determinism, bad input."""
+"""BoxPick rules (docs/reference.md, BoxPick): transitions, reward, generators, determinism, bad input."""
 
 import gymnasium as gym
 import pytest

@@ -225,7 +225,7 @@ def test_each_loss_trains_only_its_own_network(data_dir):
     """The actor's Q(s, g, mu) must not train the critic, and the value/critic targets must stay fixed."""
     torch.manual_seed(0)
     args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", depth=3))
-    assert args.alpha == 0.003 and args.lambda_depth == 0.3  # pointmaze's values from REFERENCE.md §4
+    assert args.alpha == 0.003 and args.lambda_depth == 0.3  # pointmaze's values from docs/reference.md, OGBench
     dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False)
     agent, target_critic = gciql.build_network(args, "cpu"), gciql.build_network(args, "cpu").critic
     batch = dataset.sample(32, torch.Generator().manual_seed(0))

@@ -356,11 +356,11 @@ def test_ogbench_study_survives_ctrl_c_and_completes(tiny):
 @pytest.mark.slow
 def test_submitit_local_executor_requeues_on_timeout_and_survives_sigterm(tiny, tmp_path):
     """submitit's local executor: the study is stopped with SIGTERM once the pretraining has written latest.pt; the
-    next invocation's pretraining job times out (USR2 60 s in: submitit's checkpoint hook stops the run, which
+    next invocation's pretraining job times out (USR2 30 s in: submitit's checkpoint hook stops the run, which
     writes latest.pt, and requeues the job, which resumes) and the study completes; a third prints its table."""
     pytest.importorskip("submitit")
-    (tmp_path / "tiny_studies.py").write_text(TINY_STUDIES.replace("PRETRAIN_EPOCHS", "250"))  # over 60 s
-    args = ["tiny-boxpick", *tiny.flags, "--slurm-local", "--time", "3", "--signal-delay", "120",
+    (tmp_path / "tiny_studies.py").write_text(TINY_STUDIES.replace("PRETRAIN_EPOCHS", "400"))  # well over 30 s
+    args = ["tiny-boxpick", *tiny.flags, "--slurm-local", "--time", "2", "--signal-delay", "90",
             "--slurm-logs", tmp_path / "slurm-logs"]
     pretrain = tiny.runs / "tiny-boxpick" / "pretrain" / "seed1"
     check_three_invocations(args, pretrain, signal.SIGTERM, expected_artifacts("tiny-boxpick", "BoxPick-Exact-4-v0"))
