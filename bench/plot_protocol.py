@@ -107,11 +107,17 @@ def table2(rows):
     return result
 
 
-def pareto_figure(evaluations, out):
-    """Success against mean depth over the epsilon grid, per variant and split, mean over seeds."""
+def pyplot():
+    """matplotlib's pyplot, drawing to files only (no display needed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def pareto_figure(evaluations, out):
+    """Success against mean depth over the epsilon grid, per variant and split, mean over seeds."""
+    plt = pyplot()
     fig, axes = plt.subplots(2, len(VARIANTS), figsize=(4 * len(VARIANTS), 7), squeeze=False)
     for column, env_id in enumerate(VARIANTS):
         for row, split in enumerate(SPLITS):
@@ -137,9 +143,7 @@ def pareto_figure(evaluations, out):
 def delta_figure(evaluations, depth_kl_curves, out):
     """The paper's Figure 3: the adjacent-depth KL (losses/depth_kl) during training, and delta_k against
     KL(pi_K || pi_k) in quantile bins of delta_k, before (IRU-5) and after FlexLoop, on Exact-4."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for name, (updates, kl) in sorted(depth_kl_curves.items()):
         axes[0].plot(updates, kl, label=name, lw=1)
