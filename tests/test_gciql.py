@@ -21,7 +21,9 @@ from envs import ogbench_data  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PM = "pointmaze-large-stitch-v0"
-SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+# the repo first, then any path the caller set (packages installed with pip --target)
+PYTHONPATH = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module", autouse=True)
