@@ -183,7 +183,8 @@ class PerformanceArgs:
     require_cuda: bool = False
     """fail instead of falling back to CPU when no GPU is present"""
     cuda_graph: bool = True
-    """capture the update in a CUDA graph and replay it (GPU only; --no-cuda-graph runs it eagerly)"""
+    """capture the rollout, its GAE targets and the update in CUDA graphs and replay them (GPU only;
+    --no-cuda-graph runs them eagerly)"""
     compile: bool = True
     """torch.compile the minibatch update on GPU (ignored on CPU, where it does not pay). With --cuda-graph, 4x the
     eager loop on an H100 (docs/benchmarks.md); the LightsOut results' runs ran eagerly: --no-compile --no-cuda-graph"""
@@ -305,7 +306,8 @@ class IRUNetwork(nn.Module):
 
     @torch.no_grad()
     def update_normalizer(self, obs, goal):
-        """Fold a batch of raw inputs into the running mean and variance (Chan et al.'s parallel update)."""
+        """Fold a batch of raw inputs into the running mean and variance (Chan et al.'s parallel update). Written
+        in place: a rollout replayed from a CUDA graph reads these tensors."""
         x = torch.cat([obs, goal], -1).float()
         batch_count = x.shape[0]
         batch_mean, batch_var = x.mean(0), x.var(0, unbiased=False)
@@ -624,6 +626,21 @@ def collect_rollout(network, env, obs, buffers, generator, episode_sums):
     return obs
 
 
+def make_rollout(network, env, obs, buffers, generator, episode_sums):
+    """collect_rollout from obs that writes the obs after its last step back into obs: every tensor it reads or
+    writes keeps its address, so the whole rollout can be captured in one CUDA graph and replayed."""
+    def rollout():
+        copy_obs(obs, collect_rollout(network, env, obs, buffers, generator, episode_sums))
+
+    return rollout
+
+
+def copy_obs(obs, new_obs):
+    """Write new_obs into obs's tensors (the static obs a captured rollout reads)."""
+    for key, tensor in obs.items():
+        tensor.copy_(new_obs[key])
+
+
 def rollout_metrics(buffers, episode_sums):
     """The statistics of the episodes finished since the last log (episode_sums is reset) and how much of the
     value targets' variance the values explain."""
@@ -700,8 +717,9 @@ def train(args: Args):
     parts = {"model": network, "teacher_model": teacher, "optimizer": optimizer}
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=batch_size,
               updates_per_iteration=args.update_epochs * args.num_minibatches, progress="env steps")
-    obs, _ = env.reset()
-    graphed_update = None
+    obs, _ = env.reset()  # the rollout reads and writes these tensors in place (a captured graph reads them)
+    rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums)
+    graphed_rollout, graphed_targets, graphed_update = None, {}, None
 
     with run:
         while run.running():
@@ -709,12 +727,26 @@ def train(args: Args):
             lambda_depth.fill_(lam)
             if phase == "flexloop" and teacher is None:  # a two-phase run: the pretrained model at the switch
                 teacher = parts["teacher_model"] = frozen_copy(network)
-            with run.interruptible():  # a stop ends a long CPU collection at once
-                obs = collect_rollout(network, env, obs, buffers, generators["actions"], episode_sums)
+            if graphed_rollout is not None:
+                graphed_rollout()
+            elif run.cuda_graph:
+                # The capture's one warm-up call is this iteration's rollout: real env steps, learned from and
+                # counted as any rollout's are (the capture itself runs nothing), so no step goes unused or
+                # uncounted. Both generators are registered: each replay draws fresh actions and tasks.
+                graphed_rollout = flexloop_run.capture_cuda_graph(rollout, [generators["actions"], env.generator],
+                                                                  warmup=1)
+            else:
+                with run.interruptible():  # a stop ends a long CPU collection at once
+                    rollout()
             if args.obs_norm_update == "before-epochs":  # the authors' order: GAE and the epochs see its stats
                 network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
-            prepare_targets(network, teacher if phase == "flexloop" and args.teacher_value_targets else None,
-                            buffers, obs, args)
+            # GAE and the value targets, graphed too: one graph with the teacher's targets, one without. The
+            # capture's warm-up calls only write the same targets again.
+            value_teacher = teacher if phase == "flexloop" and args.teacher_value_targets else None
+            if value_teacher not in graphed_targets:
+                graphed_targets[value_teacher] = run.graphed(prepare_targets, [], network, value_teacher, buffers,
+                                                             obs, args)
+            graphed_targets[value_teacher]()
 
             order = minibatch_order(args, generators["minibatch"], device)
             minibatch_index.copy_(order[run.iteration_updates])  # what a CUDA graph's capture runs on
@@ -727,7 +759,7 @@ def train(args: Args):
             if args.obs_norm_update == "after-epochs":  # ours: the rollout's own ratios start at exactly 1
                 network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
             if args.hard_reset_every and run.iteration % args.hard_reset_every == 0:
-                obs, _ = env.reset()  # fresh tasks for all envs; GAE above already bootstrapped from the old obs
+                copy_obs(obs, env.reset()[0])  # fresh tasks for all envs; GAE above bootstrapped from the old obs
 
             if run.log_due():
                 run.log({"charts/lambda_depth": lam, "charts/learning_rate": args.learning_rate,

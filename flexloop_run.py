@@ -460,10 +460,12 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-def capture_cuda_graph(fn, generators, pool=None):
+def capture_cuda_graph(fn, generators, pool=None, warmup=CUDA_GRAPH_WARMUP):
     """Record fn() in a CUDA graph and return a function that replays it and returns fn's (static) outputs.
 
-    Warm-up calls run on a side stream first, as torch.cuda.graphs requires; they do real work. The random
+    `warmup` calls run on a side stream first, as torch.cuda.graphs requires; they do real work (the capture itself
+    runs nothing). One is enough for work without autograd (GC-PPO's rollout, whose one warm-up call is a real
+    rollout of the run); updates take CUDA_GRAPH_WARMUP. The random
     generators fn draws from are registered, so every replay draws fresh numbers. `pool` shares memory between
     graphs that never replay at the same time (eval_adaptive.py's bucket sizes).
 
@@ -474,7 +476,7 @@ def capture_cuda_graph(fn, generators, pool=None):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(CUDA_GRAPH_WARMUP):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()

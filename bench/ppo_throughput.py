@@ -6,7 +6,8 @@
 
 Runs train() with warmup and with warmup + iterations rollouts in each phase (pretraining, then FlexLoop
 with its teacher), and times the difference: setup, compilation, graph capture and the end-of-phase evaluations
-cancel out. Also times one rollout alone (collection + GAE) and one evaluation (every depth, both splits).
+cancel out. Also times one rollout alone (collection + GAE, replayed from CUDA graphs as train() does with
+--cuda-graph on a GPU) and one evaluation (every depth, both splits); an iteration's update epochs take the rest.
 Prints one JSON line, with the projected minutes of a 50M-step phase.
 """
 
@@ -16,6 +17,7 @@ import json
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import flexloop_gcppo as gcppo  # noqa: E402
+import flexloop_run  # noqa: E402
 
 
 def sync(device):
@@ -36,7 +39,7 @@ def timed_train(args):
     return time.perf_counter() - start
 
 
-def time_rollout_and_eval(args, device):
+def time_rollout_and_eval(args, device, graphed):
     network = gcppo.build_network(args, device)
     env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=0, check_actions=False).unwrapped
     eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, split=split,
@@ -44,15 +47,18 @@ def time_rollout_and_eval(args, device):
     buffers = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, device)
     generator, episode_sums = torch.Generator(device).manual_seed(0), torch.zeros(4, device=device)
     obs, _ = env.reset()
+    rollout = gcppo.make_rollout(network, env, obs, buffers, generator, episode_sums)
+    targets = partial(gcppo.prepare_targets, network, network, buffers, obs, args)  # with a teacher, as FlexLoop
+    if graphed:  # as train() replays them (the captures warm up too)
+        rollout = flexloop_run.capture_cuda_graph(rollout, [generator, env.generator], warmup=1)
+        targets = flexloop_run.capture_cuda_graph(targets, [])
     times = {}
-    for name, work in [("rollout", lambda: gcppo.collect_rollout(network, env, obs, buffers, generator, episode_sums)),
+    for name, work in [("rollout", lambda: (rollout(), targets())),
                        ("eval", lambda: gcppo.evaluate(network, eval_envs, seed=0))]:
         work()  # warm-up
         sync(device)
         start = time.perf_counter()
-        result = work()
-        if name == "rollout":
-            gcppo.prepare_targets(network, network, buffers, result, args)
+        work()
         sync(device)
         times[name] = time.perf_counter() - start
     return times
@@ -85,7 +91,7 @@ if __name__ == "__main__":
         timed_train(args_for(cli.warmup))  # pays the process's one-time costs (lazy init, kernel caches)
         short = timed_train(args_for(cli.warmup))
         long = timed_train(args_for(cli.warmup + cli.iterations))
-        parts = time_rollout_and_eval(args_for(1), device)
+        parts = time_rollout_and_eval(args_for(1), device, graphed=cli.cuda_graph and on_gpu)
     steps = 2 * cli.iterations * batch
     steps_per_second = steps / (long - short)
     print(json.dumps({
@@ -95,6 +101,8 @@ if __name__ == "__main__":
         "timed_env_steps": steps, "seconds": round(long - short, 3),
         "env_steps_per_second": round(steps_per_second),
         "seconds_per_iteration": round((long - short) / (2 * cli.iterations), 3),
-        "rollout_seconds": round(parts["rollout"], 3), "eval_seconds": round(parts["eval"], 3),
+        "rollout_seconds": round(parts["rollout"], 3),
+        "update_seconds_per_iteration": round((long - short) / (2 * cli.iterations) - parts["rollout"], 3),
+        "eval_seconds": round(parts["eval"], 3),
         "projected_minutes_per_50M_steps": round(50e6 / steps_per_second / 60, 1),
     }), flush=True)

@@ -550,6 +550,132 @@ def test_captured_update_trains_as_the_eager_update_does(compiled, exact_float32
     assert not torch.allclose(graphed.actor.weight, start.actor.weight)  # it trained
 
 
+def test_rollout_writes_its_last_obs_in_place_and_the_normalizer_keeps_its_tensors():
+    """make_rollout is collect_rollout with the obs after the last step written back into the obs it started from
+    (a captured rollout reads and writes fixed tensors); update_normalizer writes its statistics in place, so a
+    captured forward reads the new ones."""
+    args = tiny_args(Path("."))
+    network = gcppo.build_network(args, "cpu")
+    runs = []
+    for _ in range(2):
+        env = envs.make_vec(args.env_id, args.num_envs, seed=5, check_actions=False, max_steps=3).unwrapped
+        obs, _ = env.reset()
+        buffers, sums = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, "cpu"), torch.zeros(4)
+        runs.append(dict(env=env, obs=obs, buffers=buffers, sums=sums, generator=torch.Generator().manual_seed(0)))
+    direct, in_place = runs
+    start = {key: tensor.data_ptr() for key, tensor in in_place["obs"].items()}
+    rollout = gcppo.make_rollout(network, in_place["env"], in_place["obs"], in_place["buffers"],
+                                 in_place["generator"], in_place["sums"])
+    for _ in range(2):
+        direct["obs"] = gcppo.collect_rollout(network, direct["env"], direct["obs"], direct["buffers"],
+                                              direct["generator"], direct["sums"])
+        rollout()
+        for name in direct["buffers"]:
+            assert torch.equal(direct["buffers"][name], in_place["buffers"][name]), name
+        for key in start:
+            assert torch.equal(direct["obs"][key], in_place["obs"][key])
+            assert in_place["obs"][key].data_ptr() == start[key]
+    assert torch.equal(direct["sums"], in_place["sums"]) and in_place["sums"][0] > 0
+    gcppo.copy_obs(in_place["obs"], in_place["env"].reset()[0])  # a hard reset, as train() does it
+    assert torch.equal(in_place["obs"]["desired_goal"], in_place["env"].goal.float())
+
+    statistics = {name: getattr(network, name).data_ptr() for name in ("obs_mean", "obs_var", "obs_count")}
+    network.update_normalizer(in_place["buffers"]["obs"].flatten(0, 1), in_place["buffers"]["goal"].flatten(0, 1))
+    assert network.obs_count > 1
+    assert {name: getattr(network, name).data_ptr() for name in statistics} == statistics
+
+
+def rollouts_from_the_same_start(args, device, captured):
+    """Three rollouts from one seed, eagerly or replayed from one captured graph whose single warm-up call is the
+    first: between rollouts the normaliser takes in the last one, and before the third a hard reset refreshes obs."""
+    torch.manual_seed(0)
+    network = gcppo.build_network(args, device)
+    env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=3, check_actions=False,
+                        max_steps=args.max_episode_steps).unwrapped
+    buffers = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, device)
+    generator, episode_sums = torch.Generator(device).manual_seed(7), torch.zeros(4, device=device)
+    obs, _ = env.reset()
+    rollout = gcppo.make_rollout(network, env, obs, buffers, generator, episode_sums)
+    if captured:
+        replay = flexloop_run.capture_cuda_graph(rollout, [generator, env.generator], warmup=1)
+    else:
+        rollout()
+    records = []
+    for i in range(3):
+        if i > 0:
+            if i == 2:
+                gcppo.copy_obs(obs, env.reset()[0])
+            network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
+            replay() if captured else rollout()
+        records.append({**{name: tensor.clone() for name, tensor in buffers.items()},
+                        "next_obs": obs["observation"].clone(), "episode_sums": episode_sums.clone()})
+    return records
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_captured_rollout_equals_the_eager_rollout(exact_float32_matmuls):
+    """The rollout graph replays collect_rollout's steps: from the same seeds, its buffers, episode sums and final
+    obs must be the eager rollout's, through normaliser updates (read in place) and a hard reset (the static obs
+    refreshed). The capture's one warm-up call is the first rollout: more warm-up calls would shift every record
+    by a rollout and add their episodes to the sums."""
+    device = torch.device("cuda")
+    args = tiny_args(Path("."), cuda=True, num_envs=256, num_steps=24, max_episode_steps=6, depth=3, hidden_dim=32)
+    eager = rollouts_from_the_same_start(args, device, captured=False)
+    captured = rollouts_from_the_same_start(args, device, captured=True)
+    for i, (a, b) in enumerate(zip(eager, captured)):
+        for name in a:
+            if name in ("advantages", "value_targets"):
+                continue  # prepare_targets writes them
+            if a[name].is_floating_point():
+                torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=f"rollout {i}: {name}")
+            else:
+                assert torch.equal(b[name], a[name]), f"rollout {i}: {name}"
+    # The replays drew fresh numbers: later rollouts differ from the first, and every action is a button.
+    assert not torch.equal(captured[1]["actions"], captured[0]["actions"])
+    assert not torch.equal(captured[2]["actions"], captured[1]["actions"])
+    assert all(record["actions"].min() >= 0 and record["actions"].max() < 20 for record in captured)
+    # episode_sums counted each episode that ended in the three rollouts once, with its length
+    ended = [record["terminated"] | record["truncated"] for record in captured]
+    assert captured[-1]["episode_sums"][0].item() == sum(e.sum().item() for e in ended) > 0
+    assert 0 < captured[-1]["episode_sums"][3].item() <= 3 * args.num_envs * args.num_steps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_captured_training_counts_every_env_step_resumes_and_learns(tmp_path):
+    """A GPU run with the rollout, the targets and the update replayed from CUDA graphs: both phases (the targets
+    graph with and without the teacher), hard resets, a resume from the phase switch. The episodes it logs fit in
+    the env steps it counts (warm-up rollouts that went uncounted would overflow them), and it learns one-press
+    goals as the CPU run does."""
+    args = tiny_args(tmp_path, cuda=True, require_cuda=True, compile=False, num_envs=256, num_steps=32,
+                     num_minibatches=4, update_epochs=4, learning_rate=3e-3, depth=3, hidden_dim=64,
+                     train_max_presses=1, max_episode_steps=5, pretrain_timesteps=20 * 256 * 32,
+                     total_timesteps=4 * 256 * 32, eval_every=1000, save_every=1000, log_every=1)
+    easy = {"train": envs.make_vec(args.env_id, 512, split="train", max_presses=1, max_steps=5, device="cuda",
+                                   check_actions=False).unwrapped}
+    torch.manual_seed(args.seed)
+    before = gcppo.evaluate(gcppo.build_network(args, "cuda"), easy, seed=123)["eval/train/success_depth_3"].item()
+    run_dir = gcppo.train(args)
+    records = [r for r in read_metrics(run_dir) if "losses/policy_loss" in r]
+    batch = args.num_envs * args.num_steps
+    assert [r["global_step"] for r in records] == [batch * (i + 1) for i in range(24)]
+    assert [r["phase"] for r in records] == ["pretrain"] * 20 + ["flexloop"] * 4
+    finished_steps = sum(r["charts/episodes"] * r["charts/episodic_length"] for r in records)
+    hard_resets = 24 // args.hard_reset_every
+    cut_short = args.num_envs * args.max_episode_steps * (hard_resets + 1)  # in flight at a reset or the end
+    assert 24 * batch - cut_short <= finished_steps <= 24 * batch
+    final = flexloop_run.load_checkpoint(run_dir / "final.pt")
+    # 16 updates per iteration, and the update capture's warm-up updates, which are counted
+    assert final["global_step"] == 24 * batch and final["updates"] == 24 * 16 + flexloop_run.CUDA_GRAPH_WARMUP
+    network, _ = gcppo.network_from_checkpoint(final, "cuda")
+    after = gcppo.evaluate(network, easy, seed=123)["eval/train/success_depth_3"].item()
+    assert after > before + 0.15, (before, after)
+
+    gcppo.train(gcppo.Args(resume=str(run_dir / "pretrained.pt"), cuda=True))
+    resumed = [r for r in read_metrics(run_dir) if "losses/policy_loss" in r]
+    assert [r["global_step"] for r in resumed] == [batch * (i + 1) for i in range(24)]
+    assert all(math.isfinite(r["losses/value_loss"]) for r in resumed)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------------------------
