@@ -14,6 +14,11 @@ Gaussian actor with state-dependent std and a 0.01-scaled last layer, and the te
 target entropy -0.5 dim(A). Like OGBench, one loss (critic + actor + temperature) is computed from the same
 parameters and taken in one Adam step.
 
+Speed: on a GPU the loop is bound by launch and copy overheads, not by arithmetic (batch 256, 256-wide MLPs). So
+on CUDA the update (batch sampling, losses, Adam, target update) and the policy's action are each replayed as a
+CUDA graph, a step copies its transition into the replay in one row, and the losses are summed on the device and
+read only at log time. `--no-cuda-graph` runs the same functions eagerly; on a CPU they always run eagerly.
+
 Files: `<run-dir>/state.pt` holds everything needed to resume (networks, optimiser, replay, RNG states);
 `--expert-path` (default checkpoints/ant_expert/expert.pt) gets the actor alone when training finishes. That
 small file is what `envs.ogbench_data` loads; its actions are deterministic (tanh of the mean, OGBench's
@@ -79,6 +84,8 @@ class TrainArgs:
     """also save the state this often, so a killed run loses little"""
     log_every: int = 5_000
     """print progress every this many env steps"""
+    cuda_graph: bool = True
+    """on CUDA, replay the update and the action as CUDA graphs (--no-cuda-graph: run them eagerly)"""
 
 
 @dataclass
@@ -182,25 +189,43 @@ class Actor(nn.Module):
 
 
 class ReplayBuffer:
+    """Each transition is one row (observation, action, reward, next observation, mask) of one tensor, so a step
+    writes its transition with one copy and a batch is one gather. `filled` holds the size on the device too: a
+    CUDA graph reads it at every replay, where a Python int would stay frozen at its value at capture."""
+
+    SCALARS = ("rewards", "masks")
+
     def __init__(self, capacity, obs_dim, action_dim, device):
         self.capacity, self.size, self.pos = capacity, 0, 0
-        self.data = {
-            "observations": torch.zeros(capacity, obs_dim, device=device),
-            "actions": torch.zeros(capacity, action_dim, device=device),
-            "rewards": torch.zeros(capacity, device=device),
-            "next_observations": torch.zeros(capacity, obs_dim, device=device),
-            "masks": torch.zeros(capacity, device=device),  # 0 when the ant fell (a true end), 1 at a time limit
-        }
+        widths = {"observations": obs_dim, "actions": action_dim, "rewards": 1, "next_observations": obs_dim,
+                  "masks": 1}  # masks: 0 when the ant fell (a true end), 1 at a time limit
+        self.columns, start = {}, 0
+        for key, width in widths.items():
+            self.columns[key] = slice(start, start + width)
+            start += width
+        self.rows = torch.zeros(capacity, start, device=device)
+        self.data = self.fields(self.rows)  # views of the rows, by name
+        self.filled = torch.zeros((), dtype=torch.long, device=device)
+        self.staging = torch.zeros(start, pin_memory=self.rows.is_cuda)  # the host side of a row's copy
 
-    def add(self, **transition):
-        for key, value in transition.items():
-            self.data[key][self.pos] = torch.as_tensor(value, dtype=torch.float32)
+    def fields(self, rows):
+        return {key: rows[:, s.start] if key in self.SCALARS else rows[:, s] for key, s in self.columns.items()}
+
+    def add(self, obs, action, reward, next_obs, mask):
+        row = self.staging.numpy()
+        for key, value in zip(self.columns, (obs, action, reward, next_obs, mask)):
+            row[self.columns[key]] = value
+        # a blocking copy: the staging row may be refilled at the next step (the stream is idle here anyway)
+        self.rows[self.pos].copy_(self.staging)
         self.pos = (self.pos + 1) % self.capacity
         self.size = min(self.size + 1, self.capacity)
+        self.filled.fill_(self.size)  # a kernel argument, not a host-to-device copy
 
-    def sample(self, batch_size):
-        idxs = torch.randint(self.size, (batch_size,), device=self.data["rewards"].device)
-        return {key: value[idxs] for key, value in self.data.items()}
+    def sample(self, batch_size, generator):
+        """Uniform rows of [0, size), size read on the device. A 62-bit integer modulo the size is uniform to
+        within size / 2^62, and unlike (rand * size).long() it cannot round up to size."""
+        draws = torch.randint(2**62, (batch_size,), device=self.rows.device, generator=generator)
+        return self.fields(self.rows[draws % self.filled])
 
     def state_dict(self):  # only the filled part, in insertion order, so a resumed buffer is the same buffer
         order = torch.arange(self.pos - self.size, self.pos) % self.capacity
@@ -211,6 +236,7 @@ class ReplayBuffer:
         for key, value in state.items():
             self.data[key][:n] = value[len(value) - n:].to(self.data[key].device)
         self.size, self.pos = n, n % self.capacity
+        self.filled.fill_(self.size)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -247,6 +273,74 @@ def update(batch, actor, critic, critic_target, log_alpha, optimizer, args, targ
         target_params, params = list(critic_target.parameters()), list(critic.parameters())
         torch._foreach_lerp_(target_params, params, args.tau)  # target <- (1 - tau) target + tau online
     return losses
+
+
+LOSS_NAMES = ("critic_loss", "actor_loss", "alpha_loss", "entropy")
+
+
+def make_update_step(args, nets, log_alpha, optimizer, buffer, generator, target_entropy, loss_sums):
+    """The loop's update: a batch drawn on the device, `update`, and the losses added to loss_sums (read at log
+    time). Fixed shapes and no host sync, so on CUDA it is captured once (`capture_update`) and replayed."""
+    actor, critic, critic_target = nets
+
+    def update_step():
+        batch = buffer.sample(args.batch_size, generator)
+        losses = update(batch, actor, critic, critic_target, log_alpha, optimizer, args, target_entropy)
+        with torch.no_grad():
+            loss_sums.add_(torch.stack([losses[name].detach() for name in LOSS_NAMES]))
+        return losses
+
+    return update_step
+
+
+def capture_update(update_step, nets, log_alpha, optimizer, loss_sums, generator):
+    """update_step as a CUDA graph. The capture's warm-up calls do real updates; they are undone here (parameters,
+    temperature, Adam's moments and step counts, loss sums put back in place), so the run still takes exactly one
+    update per env step. Their random draws are not put back: they only move the generators on."""
+    import flexloop_run  # the repository's capture helper (warm-up on a side stream, registered generators)
+
+    kept = [p for net in nets for p in net.parameters()] + [log_alpha, loss_sums]
+    saved = [t.detach().clone() for t in kept]
+    saved_adam = {p: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
+    graphed = flexloop_run.capture_cuda_graph(update_step, [generator])
+    with torch.no_grad():
+        for t, value in zip(kept, saved):
+            t.copy_(value)
+        for p, state in optimizer.state.items():
+            for k, v in state.items():
+                if p in saved_adam:
+                    v.copy_(saved_adam[p][k])
+                else:  # state the warm-ups created: zero, as Adam's own first step finds it
+                    v.zero_()
+    return graphed
+
+
+def make_policy(actor, obs_dim, action_dim, device, graphed):
+    """act(obs) -> a sampled action: one copy to the device and one back per step, through pinned host buffers on
+    CUDA. With graphed, the actor's forward is a CUDA graph (its warm-ups only draw random numbers)."""
+    pinned = device.type == "cuda"
+    obs_host = torch.zeros(1, obs_dim, pin_memory=pinned)
+    action_host = torch.zeros(1, action_dim, pin_memory=pinned)
+    obs_device = torch.zeros(1, obs_dim, device=device)
+
+    def sample():
+        with torch.no_grad():
+            return actor.sample(obs_device)[0]
+
+    if graphed:
+        import flexloop_run
+
+        sample = flexloop_run.capture_cuda_graph(sample, [])
+
+    def act(obs):
+        obs_host.numpy()[0] = obs
+        obs_device.copy_(obs_host, non_blocking=True)  # obs_host is refilled only after the sync below
+        action_host.copy_(sample(), non_blocking=True)
+        if pinned:
+            torch.cuda.current_stream(device).synchronize()
+        return action_host.numpy()[0].copy()
+
+    return act
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -301,8 +395,9 @@ def set_np_global_state(s):
     np.random.set_state(("MT19937", s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached"]))
 
 
-def save_state(path, step, episode, nets, optimizer, log_alpha, buffer, action_rng, device, args, stats):
+def save_state(path, step, episode, nets, optimizer, log_alpha, buffer, rngs, device, args, stats):
     actor, critic, critic_target = nets
+    action_rng, sample_rng = rngs
     state = {
         "format": STATE_FORMAT,
         "args": asdict(args),
@@ -315,6 +410,7 @@ def save_state(path, step, episode, nets, optimizer, log_alpha, buffer, action_r
         "optimizer": optimizer.state_dict(),
         "buffer": buffer.state_dict(),
         "action_rng": json.dumps(action_rng.bit_generator.state),
+        "sample_rng": sample_rng.get_state(),
         "np_global": np_global_state(),
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.zeros(0, dtype=torch.uint8),
@@ -343,11 +439,13 @@ def train(args):
     if not (np.all(env.action_space.low == -1.0) and np.all(env.action_space.high == 1.0)):
         raise SystemExit(f"error: {args.env_id}'s actions are not in [-1, 1], the tanh policy's range")
 
-    # seeding: torch for init and sampling, numpy's global RNG for the wrapper's directions, a Generator for
-    # the random warm-up actions
+    # seeding: torch for init and the policy's noise, numpy's global RNG for the wrapper's directions, a Generator
+    # for the random warm-up actions, a torch Generator on the device for the replay's batches
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     action_rng = np.random.default_rng(args.seed)
+    sample_rng = torch.Generator(device).manual_seed(args.seed)
+    rngs = (action_rng, sample_rng)
 
     actor = Actor(obs_dim, action_dim, args.hidden_dims).to(device)
     critic = TwinCritic(obs_dim, action_dim, args.hidden_dims).to(device)
@@ -355,7 +453,10 @@ def train(args):
     critic_target.load_state_dict(critic.state_dict())
     nets = (actor, critic, critic_target)
     log_alpha = torch.zeros((), device=device, requires_grad=True)  # alpha starts at 1, as OGBench's LogParam
-    optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters(), log_alpha], lr=args.lr, foreach=True)
+    # on CUDA a fused Adam with capturable step counts (on the device): a CUDA graph can replay its step
+    on_cuda = device.type == "cuda"
+    adam_flags = {"foreach": not on_cuda, "fused": on_cuda, "capturable": on_cuda}
+    optimizer = torch.optim.Adam([*actor.parameters(), *critic.parameters(), log_alpha], lr=args.lr, **adam_flags)
     target_entropy = -args.target_entropy_multiplier * action_dim
     buffer = ReplayBuffer(min(args.buffer_size, args.total_steps), obs_dim, action_dim, device)
 
@@ -375,9 +476,14 @@ def train(args):
         critic_target.load_state_dict(s["critic_target"])
         with torch.no_grad():
             log_alpha.copy_(s["log_alpha"])
+        for group in s["optimizer"]["param_groups"]:
+            group.update(adam_flags)  # the file holds the saving device's flags; this device's go in their place
         optimizer.load_state_dict(s["optimizer"])
         buffer.load_state_dict(s["buffer"])
         action_rng.bit_generator.state = json.loads(s["action_rng"])
+        # (a CPU generator's state does not fit a CUDA one: a run moved between devices draws batches afresh)
+        if "sample_rng" in s and s["sample_rng"].numel() == sample_rng.get_state().numel():
+            sample_rng.set_state(s["sample_rng"])
         set_np_global_state(s["np_global"])
         torch.set_rng_state(s["torch_rng"])
         if device.type == "cuda" and len(s["cuda_rng"]):
@@ -387,6 +493,13 @@ def train(args):
     if global_step >= args.total_steps:
         print(f"{state_path} is already at step {global_step:,} >= --total-steps {args.total_steps:,}")
 
+    # the update and the action; on CUDA the update is captured at the first update (its warm-ups need data)
+    graphed = on_cuda and args.cuda_graph
+    loss_sums = torch.zeros(len(LOSS_NAMES), device=device)
+    update_step = make_update_step(args, nets, log_alpha, optimizer, buffer, sample_rng, target_entropy, loss_sums)
+    update_captured = not graphed
+    act = make_policy(actor, obs_dim, action_dim, device, graphed)
+
     # stop cleanly on SIGTERM (a scheduler's stop) as on Ctrl-C: the loop saves, then exits
     stop = {"signal": None}
     previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal="SIGTERM"))
@@ -394,7 +507,7 @@ def train(args):
     start_time = last_save = last_log_time = time.time()
     last_log_step = global_step
     obs, episode_return, episode_length = None, 0.0, 0
-    losses = {}
+    updates_since_log = 0
     os.makedirs(args.run_dir, exist_ok=True)
     metrics_file = open(os.path.join(args.run_dir, "metrics.jsonl"), "a")
     try:
@@ -408,12 +521,9 @@ def train(args):
             if global_step < args.learning_starts:
                 action = action_rng.uniform(-1.0, 1.0, action_dim)
             else:
-                with torch.no_grad():
-                    action, _ = actor.sample(torch.as_tensor(obs, dtype=torch.float32, device=device)[None])
-                action = action[0].cpu().numpy()
+                action = act(obs)
             next_obs, reward, terminated, truncated, _ = env.step(action)
-            buffer.add(observations=obs, actions=action, rewards=reward, next_observations=next_obs,
-                       masks=0.0 if terminated else 1.0)
+            buffer.add(obs, action, reward, next_obs, 0.0 if terminated else 1.0)
             global_step += 1
             episode_return += float(reward)
             episode_length += 1
@@ -425,10 +535,13 @@ def train(args):
 
             # learn: one update per env step once the warm-up is over
             if global_step >= args.learning_starts:
-                batch = buffer.sample(args.batch_size)
-                losses = update(batch, actor, critic, critic_target, log_alpha, optimizer, args, target_entropy)
+                if not update_captured:
+                    update_step = capture_update(update_step, nets, log_alpha, optimizer, loss_sums, sample_rng)
+                    update_captured = True
+                update_step()
+                updates_since_log += 1
 
-            # log (the only host syncs besides acting)
+            # log (the only host syncs besides acting): the losses' means since the last log
             if global_step % args.log_every == 0 or global_step == args.total_steps:
                 now = time.time()
                 row = {
@@ -437,8 +550,12 @@ def train(args):
                     "charts/episodic_return": float(np.mean(stats["episode_returns"] or [0.0])),
                     "charts/episodic_length": float(np.mean(stats["episode_lengths"] or [0.0])),
                     "losses/alpha": float(log_alpha.detach().exp()),
-                    **{f"losses/{k}": float(v.detach()) for k, v in losses.items()},
                 }
+                if updates_since_log:
+                    means = (loss_sums / updates_since_log).tolist()
+                    row.update({f"losses/{name}": mean for name, mean in zip(LOSS_NAMES, means)})
+                    loss_sums.zero_()
+                    updates_since_log = 0
                 last_log_step, last_log_time = global_step, now
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
@@ -453,17 +570,17 @@ def train(args):
             # stop or checkpoint
             minutes = (time.time() - start_time) / 60
             if stop["signal"] or (args.max_minutes is not None and minutes >= args.max_minutes):
-                save_state(state_path, global_step, episode, nets, optimizer, log_alpha, buffer, action_rng, device,
+                save_state(state_path, global_step, episode, nets, optimizer, log_alpha, buffer, rngs, device,
                            args, stats)
                 why = stop["signal"] or f"--max-minutes {args.max_minutes}"
                 print(f"stopped ({why}) at step {global_step:,}; saved {state_path}; rerun the command to resume")
                 return None
             if time.time() - last_save >= 60 * args.save_every_minutes:
-                save_state(state_path, global_step, episode, nets, optimizer, log_alpha, buffer, action_rng, device,
+                save_state(state_path, global_step, episode, nets, optimizer, log_alpha, buffer, rngs, device,
                            args, stats)
                 last_save = time.time()
     except KeyboardInterrupt:
-        save_state(state_path, global_step, episode, nets, optimizer, log_alpha, buffer, action_rng, device,
+        save_state(state_path, global_step, episode, nets, optimizer, log_alpha, buffer, rngs, device,
                    args, stats)
         print(f"interrupted at step {global_step:,}; saved {state_path}; rerun the command to resume")
         return None
@@ -472,7 +589,7 @@ def train(args):
         metrics_file.close()
         env.close()
 
-    save_state(state_path, global_step, episode, nets, optimizer, log_alpha, buffer, action_rng, device,
+    save_state(state_path, global_step, episode, nets, optimizer, log_alpha, buffer, rngs, device,
                args, stats)
     save_expert(actor, args.expert_path, args.env_id, global_step, args.hidden_dims)
     print(f"done: {global_step:,} env steps; expert written to {args.expert_path}")
