@@ -628,7 +628,12 @@ def collect_rollout(network, env, obs, buffers, generator, episode_sums):
 
 def make_rollout(network, env, obs, buffers, generator, episode_sums):
     """collect_rollout from obs that writes the obs after its last step back into obs: every tensor it reads or
-    writes keeps its address, so the whole rollout can be captured in one CUDA graph and replayed."""
+    writes keeps its address, so the whole rollout can be captured in one CUDA graph and replayed, drawing fresh
+    actions and tasks from its registered generators at every replay.
+
+    The capture runs its warm-up calls for real. train() captures with one warm-up call, in the first iteration,
+    and that call is the iteration's rollout: learned from and counted as any other, while the capture itself
+    runs nothing. So no env step goes unused or uncounted, and episode_sums holds no extra rollout."""
     def rollout():
         copy_obs(obs, collect_rollout(network, env, obs, buffers, generator, episode_sums))
 
@@ -729,10 +734,7 @@ def train(args: Args):
                 teacher = parts["teacher_model"] = frozen_copy(network)
             if graphed_rollout is not None:
                 graphed_rollout()
-            elif run.cuda_graph:
-                # The capture's one warm-up call is this iteration's rollout: real env steps, learned from and
-                # counted as any rollout's are (the capture itself runs nothing), so no step goes unused or
-                # uncounted. Both generators are registered: each replay draws fresh actions and tasks.
+            elif run.cuda_graph:  # its one warm-up call is this iteration's rollout (make_rollout says why)
                 graphed_rollout = flexloop_run.capture_cuda_graph(rollout, [generators["actions"], env.generator],
                                                                   warmup=1)
             else:
@@ -740,10 +742,8 @@ def train(args: Args):
                     rollout()
             if args.obs_norm_update == "before-epochs":  # the authors' order: GAE and the epochs see its stats
                 network.update_normalizer(buffers["obs"].flatten(0, 1), buffers["goal"].flatten(0, 1))
-            # GAE and the value targets, graphed too: one graph with the teacher's targets, one without. The
-            # capture's warm-up calls only write the same targets again.
             value_teacher = teacher if phase == "flexloop" and args.teacher_value_targets else None
-            if value_teacher not in graphed_targets:
+            if value_teacher not in graphed_targets:  # with the teacher or not; warm-ups rewrite the same targets
                 graphed_targets[value_teacher] = run.graphed(prepare_targets, [], network, value_teacher, buffers,
                                                              obs, args)
             graphed_targets[value_teacher]()
