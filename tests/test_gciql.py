@@ -252,6 +252,80 @@ def test_each_loss_trains_only_its_own_network(data_dir):
                                torch.stack([value_loss, critic_loss]).detach())
 
 
+def comparison_setup(data_dir, dtype=torch.float64, **overrides):
+    """A network, a target critic that differs from its critic (so a swapped member would show) and a batch, in
+    float64 (by default), so that the stacked and one-by-one passes agree to float64's rounding."""
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", depth=3, **overrides))
+    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False)
+    torch.manual_seed(0)
+    agent = gciql.build_network(args, "cpu").to(dtype)
+    target_critic = gciql.build_network(args, "cpu").critic.to(dtype)  # other weights; left able to take gradient
+    batch = {k: v.to(dtype) if v.is_floating_point() else v
+             for k, v in dataset.sample(32, torch.Generator().manual_seed(0)).items()}
+    return args, agent, target_critic, batch
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(iru_variant="paper"), dict(backbone="lstm")],
+                         ids=["iru", "iru-paper", "lstm"])
+def test_stacked_passes_give_the_same_losses_and_gradients(data_dir, overrides):
+    """network_passes_stacked (3 passes: 6 critic members, 2 value members, the actor) must give every loss term
+    and every parameter's gradient of network_passes (6 passes); the target critic gets no gradient; the actor's
+    Q term moves the actor alone, by the same gradient."""
+    args, agent, target_critic, batch = comparison_setup(data_dir, **overrides)
+    lambda_depth = torch.tensor(0.3, dtype=torch.float64)
+    results = {}
+    for stacked in (False, True):
+        agent.zero_grad(set_to_none=True)
+        target_critic.zero_grad(set_to_none=True)
+        loss, terms = gciql.flexloop_losses(agent, target_critic, batch, replace(args, stacked_passes=stacked),
+                                            lambda_depth)
+        actor_params = list(agent.actor.parameters())
+        q_term_grads = torch.autograd.grad(terms["losses/q_loss"], actor_params + list(agent.critic.parameters()) +
+                                           list(agent.value.parameters()), retain_graph=True, allow_unused=True)
+        loss.backward()
+        assert all(p.grad is None for p in target_critic.parameters())  # the target moves by Polyak averaging only
+        results[stacked] = ({**{k: v.detach() for k, v in terms.items()}, "loss": loss.detach()},
+                            {n: p.grad.clone() for n, p in agent.named_parameters()},
+                            q_term_grads[:len(actor_params)], q_term_grads[len(actor_params):])
+
+    (terms, grads, q_actor_grads, q_other_grads), (stacked_terms, stacked_grads, stacked_q_actor_grads,
+                                                   stacked_q_other_grads) = results[False], results[True]
+    assert terms.keys() == stacked_terms.keys()
+    for name in terms:
+        torch.testing.assert_close(stacked_terms[name], terms[name], msg=name)
+    assert grads.keys() == stacked_grads.keys()
+    for name in grads:
+        assert grads[name].abs().sum() > 0, name  # every parameter is trained
+        torch.testing.assert_close(stacked_grads[name], grads[name], msg=name)
+    for expected, got in zip(q_actor_grads, stacked_q_actor_grads, strict=True):
+        torch.testing.assert_close(got, expected)
+    assert any(g.abs().sum() > 0 for g in stacked_q_actor_grads)
+    # Q(s, g, mu) trains no critic or value: no gradient (one by one), or exactly zero (stacked, through the cat)
+    assert all(g is None or not g.any() for g in q_other_grads + stacked_q_other_grads)
+
+
+def test_stacked_passes_under_bf16_autocast_keep_float32_heads(data_dir):
+    args, agent, target_critic, batch = comparison_setup(data_dir, torch.float32)
+    losses = {}
+    for stacked in (False, True):
+        with torch.autocast("cpu", torch.bfloat16):
+            loss, terms = gciql.flexloop_losses(agent, target_critic, batch, replace(args, stacked_passes=stacked),
+                                                torch.tensor(0.3))
+        assert loss.dtype == torch.float32 and all(t.dtype == torch.float32 for t in terms.values())
+        losses[stacked] = loss.detach()
+    torch.testing.assert_close(losses[True], losses[False], rtol=0.02, atol=0.02)  # bf16 GEMMs in both
+
+
+def test_stacked_call_runs_each_parameter_set_on_its_own_input():
+    torch.manual_seed(0)
+    a, b = gciql.IRU(5, 3, depth=2, hidden_dim=8, members=2), gciql.IRU(5, 3, depth=2, hidden_dim=8, members=1)
+    x, y = torch.randn(4, 5), torch.randn(4, 5)
+    out_a, out_b = gciql.stacked_call(a, [dict(a.named_parameters()), dict(b.named_parameters())], [x, y])
+    assert out_a.shape == (2, 4, 3) and out_b.shape == (1, 4, 3)
+    torch.testing.assert_close(out_a, a(x))
+    torch.testing.assert_close(out_b, b(y))
+
+
 def test_iql_learns_goal_values(data_dir):
     """A few hundred updates on pointmaze data: V(s, s) (already at the goal, reward 0, no bootstrap) ends up
     well above V(s, far goal), whose targets accumulate -1 per step."""
