@@ -163,10 +163,6 @@ class PerformanceArgs:
     bf16: bool = False
     """run the update's network passes under bf16 autocast, every head in float32 (faster on a GPU; not yet shown
     to learn as well, so off by default)"""
-    stacked_passes: bool = True
-    """run the update's six network passes as three: the critic, target-critic and actor's Q passes as one pass of
-    6 critic members, the value at s and s' as one of 2 (`network_passes_stacked`; the same math in fewer, larger
-    GEMMs); --no-stacked-passes runs them one by one (`network_passes`)"""
 
 
 @dataclass
@@ -297,9 +293,7 @@ class IRU(nn.Module):
         self.head = EnsembleLinear(members, hidden_dim, out_dim)
 
     def start(self, x):
-        # x: (rows, in_dim), shared by the members, or (members, rows, in_dim). The member count is the weights':
-        # stacked_call runs this module with several modules' members stacked into its parameters.
-        x_emb = self.embed_norm(self.embed(x.expand(self.embed.weight.shape[0], -1, -1)))
+        x_emb = self.embed_norm(self.embed(x.expand(self.members, -1, -1)))
         zeros = torch.zeros_like(x_emb)
         return x_emb, zeros, zeros  # (x_emb, c, h)
 
@@ -319,12 +313,11 @@ class IRU(nn.Module):
         return h if self.variant == "residual" else c
 
     def output(self, state):
-        """The head's output at the current depth, (members, rows, out_dim), in the weights' precision (float32)
-        also under --bf16: V, Q and the actor's mean feed targets, a scale-free Q ratio and a log-likelihood, where
-        bf16's 3 digits would show. (A float64 network stays float64, as the tests' exact comparisons need.)"""
+        """The head's output at the current depth, (members, rows, out_dim). In float32 also under --bf16: V, Q and
+        the actor's mean feed targets, a scale-free Q ratio and a log-likelihood, where bf16's 3 digits would show."""
         readout = self.readout(state)
         with torch.autocast(readout.device.type, enabled=False):
-            return self.head(readout.to(self.head.weight.dtype))
+            return self.head(readout.float())
 
     def forward(self, x):
         """The full-depth output, (members, rows, out_dim)."""
@@ -510,92 +503,34 @@ def ddpg_bc_actor_loss(q, log_prob, alpha):
     return q_loss + bc_loss, q_loss, bc_loss
 
 
-class NetworkPasses(NamedTuple):
-    """The network outputs an update's losses read, as both `network_passes` and `network_passes_stacked` give them."""
-    target_q: torch.Tensor  # min_i Q_target,i(s, g, a), (rows,); no grad
-    next_v: torch.Tensor  # V(s', g), (rows,); no grad
-    v: torch.Tensor  # V(s, g), (rows,)
-    q: torch.Tensor  # Q_i(s, g, a), (critics, rows)
-    policies: torch.Tensor  # the actor's pi_1..pi_K on the actor goals, (K, rows, 2, A)
-    q_actor: torch.Tensor  # min_i Q_i(s, g_actor, clip(mu_K)), (rows,), by the detached critic: grad into mu only
-
-
-def network_passes(network, target_critic, batch):
-    """The update's six network passes, one after another (the reference; see network_passes_stacked)."""
+def flexloop_losses(network, target_critic, batch, args, lambda_depth):
+    """The loss of one update on a batch and its terms by LOSS_NAMES, as device tensors (no host sync): GC-IQL's
+    value, critic and actor losses at depth K plus lambda_depth * the actor's depth loss."""
     obs, actions, value_goals, actor_goals = (batch["observations"], batch["actions"], batch["value_goals"],
                                               batch["actor_goals"])
     with torch.no_grad():
         target_q = critics_at(target_critic, obs, value_goals, actions).min(0).values
         next_v = value_at(network.value, batch["next_observations"], value_goals)
+        q_target = critic_target(batch["rewards"], batch["masks"], next_v, args.gamma)
+
     v = value_at(network.value, obs, value_goals)
+    value_loss = expectile_loss(target_q - v, args.expectile).mean()
+
     q = critics_at(network.critic, obs, value_goals, actions)
+    critic_loss = ((q - q_target) ** 2).mean(1).sum()  # MSE on each critic
+
+    # Actor at depth K. Q(s, g, mu) trains only the actor: the critic runs with detached weights.
     policies = network.actor.all_depths(obs, actor_goals)  # (K, B, 2, A)
-    # Q(s, g, mu) trains only the actor: the critic runs with detached weights.
+    mean, std = policies[-1, :, 0], policies[-1, :, 1]
     frozen_critic = {name: p.detach() for name, p in network.critic.named_parameters()}
-    q_actor_input = torch.cat([obs, actor_goals, policies[-1, :, 0].clamp(-1.0, 1.0)], -1)
+    q_actor_input = torch.cat([obs, actor_goals, mean.clamp(-1.0, 1.0)], -1)
     q_actor = torch.func.functional_call(network.critic, frozen_critic, (q_actor_input,))[..., 0].min(0).values
-    return NetworkPasses(target_q, next_v, v, q, policies, q_actor)
-
-
-def stacked_call(network, parameter_sets, inputs):
-    """network (an IRU or LSTM ensemble) run ONCE over the members of several parameter sets of its shape, stacked
-    along the member dimension, set i on inputs[i] (rows, features). Returns each set's output, (members_i, rows,
-    out_dim). Why: one recurrent pass of a few large GEMMs (a bmm over all the members) costs less GPU time than
-    one pass per set, each a chain of small ones; the members never mix, so it is the same math. Gradients flow as
-    each set's tensors allow: a set of detached weights passes gradient to its input only."""
-    members = [next(iter(params.values())).shape[0] for params in parameter_sets]
-    stacked = {name: torch.cat([params[name] for params in parameter_sets]) for name in parameter_sets[0]}
-    x = torch.cat([x.expand(count, -1, -1) for x, count in zip(inputs, members)])
-    return torch.func.functional_call(network, stacked, (x,)).split(members)
-
-
-def network_passes_stacked(network, target_critic, batch):
-    """network_passes' six passes as three (the default, --stacked-passes), with the same outputs and gradients:
-        critic members [critic (grad), target (no grad), critic detached] on [A, A, B]: Q, Q_target, Q(s, g_actor, mu)
-        value members  [value (grad), value detached]                       on [(s, g), (s', g)]: V, V(s', g)
-        the actor, as before (its mean is the critic's input B)
-    with A = (s, g, a) and B = (s, g_actor, clip(mu_K)). The critic gets gradient from Q alone and the actor's mean
-    from Q(s, g_actor, mu) alone, as in network_passes."""
-    obs, actions, value_goals, actor_goals = (batch["observations"], batch["actions"], batch["value_goals"],
-                                              batch["actor_goals"])
-    policies = network.actor.all_depths(obs, actor_goals)  # (K, B, 2, A)
-
-    value = dict(network.value.named_parameters())
-    frozen_value = {name: p.detach() for name, p in value.items()}
-    next_obs = batch["next_observations"]
-    v, next_v = stacked_call(network.value, [value, frozen_value],
-                             [torch.cat([obs, value_goals], -1), torch.cat([next_obs, value_goals], -1)])
-
-    critic = dict(network.critic.named_parameters())
-    frozen_critic = {name: p.detach() for name, p in critic.items()}
-    target = {name: p.detach() for name, p in target_critic.named_parameters()}  # it moves by Polyak averaging only
-    q_input = torch.cat([obs, value_goals, actions], -1)
-    q_actor_input = torch.cat([obs, actor_goals, policies[-1, :, 0].clamp(-1.0, 1.0)], -1)
-    q, target_q, q_actor = stacked_call(network.critic, [critic, target, frozen_critic],
-                                        [q_input, q_input, q_actor_input])
-    return NetworkPasses(target_q=target_q[..., 0].min(0).values.detach(), next_v=next_v[0, :, 0].detach(),
-                         v=v[0, :, 0], q=q[..., 0], policies=policies, q_actor=q_actor[..., 0].min(0).values)
-
-
-def flexloop_losses(network, target_critic, batch, args, lambda_depth):
-    """The loss of one update on a batch and its terms by LOSS_NAMES, as device tensors (no host sync): GC-IQL's
-    value, critic and actor losses at depth K plus lambda_depth * the actor's depth loss. The network passes are
-    network_passes_stacked's, or network_passes' with --no-stacked-passes: the same values and gradients."""
-    passes = (network_passes_stacked if args.stacked_passes else network_passes)(network, target_critic, batch)
-    actions = batch["actions"]
-    q_target = critic_target(batch["rewards"], batch["masks"], passes.next_v, args.gamma)
-    value_loss = expectile_loss(passes.target_q - passes.v, args.expectile).mean()
-    critic_loss = ((passes.q - q_target) ** 2).mean(1).sum()  # MSE on each critic
-
-    # Actor at depth K: DDPG+BC through Q(s, g, mu), which trains only the actor.
-    mean, std = passes.policies[-1, :, 0], passes.policies[-1, :, 1]
-    actor_loss, q_loss, bc_loss = ddpg_bc_actor_loss(passes.q_actor, gaussian_log_prob(actions, mean, std),
-                                                     args.alpha)
-    depth_kl = flexloop_depth_loss(passes.policies, args.depth_target)
+    actor_loss, q_loss, bc_loss = ddpg_bc_actor_loss(q_actor, gaussian_log_prob(actions, mean, std), args.alpha)
+    depth_kl = flexloop_depth_loss(policies, args.depth_target)
 
     loss = value_loss + critic_loss + actor_loss + lambda_depth * depth_kl
-    return loss, dict(zip(LOSS_NAMES, (value_loss, critic_loss, actor_loss, depth_kl, q_loss, bc_loss,
-                                       passes.v.mean(), passes.q.mean(), ((mean - actions) ** 2).mean())))
+    return loss, dict(zip(LOSS_NAMES, (value_loss, critic_loss, actor_loss, depth_kl, q_loss, bc_loss, v.mean(),
+                                       q.mean(), ((mean - actions) ** 2).mean())))
 
 
 def make_update(args, network, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,

@@ -3,19 +3,13 @@
 MuJoCo envs on the CPU, side by side, acting with an untrained actor at every depth as training evaluates).
 
     python bench/iql_throughput.py                                  # every mode on the GPU, then evaluation
-    python bench/iql_throughput.py --modes compile-graph-unstacked compile-graph autotune-graph --profile \\
-        --eval-episodes 0                                            # the stacked passes against the six passes
     python bench/iql_throughput.py --modes eager --updates 20 --batch-size 64 --hidden-dim 32 --states 20000 \\
         --eval-episodes 1 --eval-envs 5 --no-eval-async              # a CPU check
 
 Update modes: eager (plain PyTorch), graph (one update captured in a CUDA graph), compile-graph (the losses
 torch.compile'd, then captured: what flexloop_gciql.py does on GPU), compile-update-graph (the whole update
-compiled, then captured), autotune-graph (the losses compiled with mode="max-autotune-no-cudagraphs", which
-benchmarks GEMM kernels to pick the fastest, then captured). Each runs the network passes stacked, as the script
-does by default (network_passes_stacked: three passes); "<mode>-unstacked" runs the six passes one by one
-(network_passes, --no-stacked-passes), e.g. compile-graph-unstacked. The goal is 1M updates in 30 min, about 560
-updates/s. Prints one JSON line per measurement; "passes" and "compile" say which path ran. The untrained actor
-rarely reaches a goal, so its episodes run to the time limit: the slowest case.
+compiled, then captured). The goal is 1M updates in 30 min, about 560 updates/s. Prints one JSON line per
+measurement. The untrained actor rarely reaches a goal, so its episodes run to the time limit: the slowest case.
 """
 
 import argparse
@@ -52,24 +46,7 @@ def synthetic_dataset(env_name, states, trajectory_length, device):
                                   actor_geom_sample=spec.actor_geom_sample)
 
 
-UPDATE_MODES = ("eager", "graph", "compile-graph", "compile-update-graph", "autotune-graph")
-LOSSES_COMPILE_MODE = {"compile-graph": "default", "autotune-graph": "max-autotune-no-cudagraphs"}
-UNSTACKED = "-unstacked"  # the suffix that runs the six network passes one by one
-MODES = tuple(mode + suffix for mode in UPDATE_MODES for suffix in ("", UNSTACKED))
-
-
-def describe_mode(mode):
-    """What a mode runs, as its JSON line reports it."""
-    update_mode = mode.removesuffix(UNSTACKED)
-    return {"passes": "unstacked" if mode.endswith(UNSTACKED) else "stacked",
-            "compile": ("losses, mode=" + LOSSES_COMPILE_MODE[update_mode] if update_mode in LOSSES_COMPILE_MODE
-                        else "update" if update_mode == "compile-update-graph" else "none"),
-            "cuda_graph": update_mode.endswith("graph")}
-
-
 def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False):
-    update_mode = mode.removesuffix(UNSTACKED)
-    args = dataclasses.replace(args, stacked_passes=not mode.endswith(UNSTACKED))
     torch.manual_seed(0)
     agent = gciql.build_network(args, device)
     target_critic = gciql.build_network(args, device).critic
@@ -80,14 +57,12 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
     generator = torch.Generator(device).manual_seed(0)
     lambda_depth = torch.full((), lam, device=device)
     loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device=device)
-    losses = gciql.flexloop_losses
-    if update_mode in LOSSES_COMPILE_MODE:
-        losses = torch.compile(losses, mode=LOSSES_COMPILE_MODE[update_mode])
+    losses = torch.compile(gciql.flexloop_losses) if mode == "compile-graph" else gciql.flexloop_losses
     update = gciql.make_update(args, agent, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
                                losses=losses)
-    if update_mode == "compile-update-graph":
+    if mode == "compile-update-graph":
         update = torch.compile(update)
-    if update_mode.endswith("graph"):
+    if mode.endswith("graph"):
         update = flexloop_run.capture_cuda_graph(update, [generator])
     else:
         for _ in range(3):
@@ -100,7 +75,7 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
     sync(device)
     elapsed = time.perf_counter() - start
     means = (loss_sums / num_updates).tolist()
-    result = {"what": "updates", "mode": mode, **describe_mode(mode), "lambda_depth": lam,
+    result = {"what": "updates", "mode": mode, "lambda_depth": lam,
               "updates_per_second": round(num_updates / elapsed, 1),
               "minutes_per_1M_updates": round(1e6 * elapsed / num_updates / 60, 1),
               "critic_loss": round(means[1], 5), "depth_kl": round(means[3], 5)}
@@ -135,9 +110,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env-name", default="cube-double-play-v0", choices=list(ogbench_data.DATASETS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--modes", nargs="+", default=None, choices=MODES, metavar="MODE",
-                        help=f"update modes: {', '.join(UPDATE_MODES)}, each also as <mode>{UNSTACKED} "
-                             "(default: all on a GPU, eager on the CPU)")
+    parser.add_argument("--modes", nargs="+", default=None, help="eager, graph, compile-graph, compile-update-graph")
     parser.add_argument("--updates", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=5)
@@ -155,8 +128,8 @@ if __name__ == "__main__":
     args = gciql.resolve_dataset_defaults(dataclasses.replace(
         gciql.Args(), env_name=cli.env_name, batch_size=cli.batch_size, depth=cli.depth, hidden_dim=cli.hidden_dim,
         bf16=cli.bf16))
-    modes = cli.modes or (["eager", "graph", "compile-graph-unstacked", "compile-graph", "compile-update-graph",
-                           "autotune-graph"] if device.type == "cuda" else ["eager"])
+    modes = cli.modes or (["eager", "graph", "compile-graph", "compile-update-graph"] if device.type == "cuda"
+                          else ["eager"])
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "env_name": args.env_name, "depth": args.depth,
               "hidden_dim": args.hidden_dim, "batch_size": args.batch_size, "bf16": args.bf16}
@@ -166,8 +139,7 @@ if __name__ == "__main__":
             try:
                 result = measure_updates(args, dataset, device, mode, lam, cli.updates, cli.profile)
             except Exception as error:  # report and go on to the next mode
-                result = {"what": "updates", "mode": mode, **describe_mode(mode), "lambda_depth": lam,
-                          "error": repr(error)[:400]}
+                result = {"what": "updates", "mode": mode, "lambda_depth": lam, "error": repr(error)[:400]}
             print(json.dumps({**result, **common}), flush=True)
     if cli.eval_episodes > 0:
         result = measure_evaluation(args, device, cli.eval_episodes, cli.eval_envs, cli.eval_async)
