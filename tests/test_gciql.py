@@ -377,7 +377,8 @@ def test_resume_from_pretrained_checkpoint_continues_the_run(smoke_run, tmp_path
     run_copy.mkdir()
     for name in ["pretrained.pt", "metrics.jsonl"]:
         (run_copy / name).write_bytes((smoke_run / name).read_bytes())
-    args = gciql.Args(resume=str(run_copy / "pretrained.pt"), run_dir="ignored-on-resume", cuda=False)  # on the CPU, as the smoke run
+    # on the CPU, as the smoke run ran: on a GPU machine the default would move it and draw other batches
+    args = gciql.Args(resume=str(run_copy / "pretrained.pt"), run_dir="ignored-on-resume", cuda=False)
     checkpoint = flexloop_run.load_checkpoint(run_copy / "pretrained.pt")
     checkpoint["args"]["run_dir"] = str(tmp_path)
     flexloop_run.save_checkpoint(run_copy / "pretrained.pt", checkpoint)
