@@ -35,7 +35,9 @@ def sync(device):
 
 def timed_train(args):
     start = time.perf_counter()
-    gcppo.train(args)
+    finished = (Path(gcppo.train(args)) / "final.pt").exists()
+    if not finished:  # a stopped run times less than its steps: no number rather than a wrong one
+        raise SystemExit("error: a timed run was stopped before it finished (SIGTERM or Ctrl-C); nothing measured")
     return time.perf_counter() - start
 
 
