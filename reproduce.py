@@ -564,6 +564,8 @@ def main(argv=None):
         if cli.workers < 1:
             fail(f"--workers {cli.workers}: give 1 or more")
         machine_flags, slots = ["--no-cuda"], [None] * cli.workers
+    elif cli.dry_run and not visible_gpus():  # the commands a GPU machine would run, printed on this one
+        machine_flags, slots = ["--require-cuda"], []
     else:
         found = visible_gpus()
         if not found:

@@ -122,6 +122,15 @@ def test_dry_run_prints_the_commands_and_runs_nothing(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_dry_run_prints_the_gpu_commands_on_any_machine(tmp_path):
+    # planning a GPU study from a laptop: without --no-cuda the commands are the GPU machine's, GPU or not here
+    result = reproduce("lightsout", "--dry-run", "--seeds", "1", "--runs-dir", tmp_path / "runs")
+    assert result.returncode == 0, result.stderr
+    commands = [line for line in result.stdout.splitlines() if line.startswith("python ")]
+    assert commands and all("--require-cuda" in line and "--no-cuda" not in line for line in commands)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_ablations_share_the_main_studys_pretraining(tmp_path):
     result = reproduce("boxpick-exact4", "ablation-lambda", "--dry-run", "--no-cuda", "--seeds", "1",
                        "--runs-dir", tmp_path)
