@@ -8,7 +8,8 @@ Runs train() with warmup and with warmup + iterations rollouts in each phase (pr
 with its teacher), and times the difference: setup, compilation, graph capture and the end-of-phase evaluations
 cancel out. Also times one rollout alone (collection + GAE, replayed from CUDA graphs as train() does with
 --cuda-graph on a GPU) and one evaluation (every depth, both splits); an iteration's update epochs take the rest.
-Prints one JSON line, with the projected minutes of a 50M-step phase.
+Prints one JSON line, with the projected minutes of a 50M-step phase. With --profile (GPU) it adds the kernels
+of one rollout step and of one FlexLoop minibatch update, each as train() replays it, with their GPU time.
 """
 
 import argparse
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import flexloop_gcppo as gcppo  # noqa: E402
 import flexloop_run  # noqa: E402
+from profiling import profile_kernels  # noqa: E402
 
 
 def sync(device):
@@ -41,7 +43,7 @@ def timed_train(args):
     return time.perf_counter() - start
 
 
-def time_rollout_and_eval(args, device, graphed):
+def time_rollout_and_eval(args, device, graphed, profile=False):
     network = gcppo.build_network(args, device)
     env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=0, check_actions=False).unwrapped
     eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, split=split,
@@ -63,7 +65,33 @@ def time_rollout_and_eval(args, device, graphed):
         work()
         sync(device)
         times[name] = time.perf_counter() - start
+    if profile and device.type == "cuda":
+        times["profile"] = profile_rollout_and_update(args, device, network, buffers, rollout)
     return times
+
+
+def gpu_time(largest):
+    """The GPU microseconds of one call, from the largest kernel's time and share."""
+    return round(largest[0]["us_per_update"] / largest[0]["share"], 1) if largest and largest[0]["share"] else None
+
+
+def profile_rollout_and_update(args, device, network, buffers, rollout):
+    """Kernels of the replayed rollout (per env step) and of one FlexLoop minibatch update (lambda > 0: the KL at
+    every depth), compiled and captured as train() runs it, on the rollout's data."""
+    largest, kernels = profile_kernels(rollout, device, updates=2, top=5)
+    result = {"rollout_kernels_per_step": round(kernels / args.num_steps, 1),
+              "rollout_us_per_step": round(gpu_time(largest) / args.num_steps, 1) if gpu_time(largest) else None,
+              "rollout_largest": largest}
+    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, eps=args.adam_eps,
+                                 capturable=device.type == "cuda")
+    rows = args.num_envs * args.num_steps
+    minibatch_index = torch.randperm(rows, device=device)[:rows // args.num_minibatches]
+    loss_sums = torch.zeros(len(gcppo.LOSS_NAMES), device=device)
+    update = gcppo.make_update(args, network, optimizer, buffers, minibatch_index, torch.ones((), device=device),
+                               loss_sums)
+    update = flexloop_run.capture_cuda_graph(torch.compile(update) if args.compile else update, [])
+    largest, kernels = profile_kernels(update, device, updates=20, top=8)
+    return {**result, "update_kernels": kernels, "update_us": gpu_time(largest), "update_largest": largest}
 
 
 if __name__ == "__main__":
@@ -77,6 +105,7 @@ if __name__ == "__main__":
     parser.add_argument("--iterations", type=int, default=3, help="extra rollouts per phase in the longer run")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=gcppo.Args.compile)
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=gcppo.Args.cuda_graph)
+    parser.add_argument("--profile", action="store_true", help="also the kernels of a rollout step and of an update")
     cli = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() and not cli.cpu else "cpu")
@@ -93,7 +122,7 @@ if __name__ == "__main__":
         timed_train(args_for(cli.warmup))  # pays the process's one-time costs (lazy init, kernel caches)
         short = timed_train(args_for(cli.warmup))
         long = timed_train(args_for(cli.warmup + cli.iterations))
-        parts = time_rollout_and_eval(args_for(1), device, graphed=cli.cuda_graph and on_gpu)
+        parts = time_rollout_and_eval(args_for(1), device, graphed=cli.cuda_graph and on_gpu, profile=cli.profile)
     steps = 2 * cli.iterations * batch
     steps_per_second = steps / (long - short)
     print(json.dumps({
@@ -107,4 +136,5 @@ if __name__ == "__main__":
         "update_seconds_per_iteration": round((long - short) / (2 * cli.iterations) - parts["rollout"], 3),
         "eval_seconds": round(parts["eval"], 3),
         "projected_minutes_per_50M_steps": round(50e6 / steps_per_second / 60, 1),
+        **({"profile": parts["profile"]} if "profile" in parts else {}),
     }), flush=True)
