@@ -186,8 +186,9 @@ class PerformanceArgs:
     """capture the rollout, its GAE targets and the update in CUDA graphs and replay them (GPU only;
     --no-cuda-graph runs them eagerly)"""
     compile: bool = True
-    """torch.compile the minibatch update on GPU (ignored on CPU, where it does not pay). With --cuda-graph, 4x the
-    eager loop on an H100 (docs/benchmarks.md); the LightsOut results' runs ran eagerly: --no-compile --no-cuda-graph"""
+    """torch.compile the minibatch update and the rollout's policy pass on GPU (ignored on CPU, where it does not
+    pay). With --cuda-graph the compiled update made the loop 4x the eager one on an H100 (docs/benchmarks.md); the
+    LightsOut results' runs ran eagerly: --no-compile --no-cuda-graph"""
 
 
 @dataclass
@@ -605,13 +606,15 @@ def make_envs(args, device):
 
 
 @torch.no_grad()
-def collect_rollout(network, env, obs, buffers, generator, episode_sums):
+def collect_rollout(network, env, obs, buffers, generator, episode_sums, forward=None):
     """num_steps steps of every env with the depth-K policy, written into buffers. Continues from obs (the
     envs auto-reset) and returns the obs after the last step. episode_sums (4,) gathers the finished episodes'
-    count, successes, returns and lengths on the device."""
+    count, successes, returns and lengths on the device. forward is network.full_depth, or that pass compiled
+    (train() compiles it on a GPU: its dozens of small kernels become a few)."""
+    forward = forward or network.full_depth
     for t in range(buffers["obs"].shape[0]):
         buffers["obs"][t], buffers["goal"][t] = obs["observation"], obs["desired_goal"]
-        logits, value = network.full_depth(obs["observation"], obs["desired_goal"])
+        logits, value = forward(obs["observation"], obs["desired_goal"])
         action = network.act(logits, generator)
         buffers["actions"][t] = action
         buffers["logprobs"][t] = F.log_softmax(logits, -1).gather(-1, action[:, None]).squeeze(-1)
@@ -626,7 +629,7 @@ def collect_rollout(network, env, obs, buffers, generator, episode_sums):
     return obs
 
 
-def make_rollout(network, env, obs, buffers, generator, episode_sums):
+def make_rollout(network, env, obs, buffers, generator, episode_sums, forward=None):
     """collect_rollout from obs that writes the obs after its last step back into obs: every tensor it reads or
     writes keeps its address, so the whole rollout can be captured in one CUDA graph and replayed, drawing fresh
     actions and tasks from its registered generators at every replay.
@@ -635,7 +638,7 @@ def make_rollout(network, env, obs, buffers, generator, episode_sums):
     and that call is the iteration's rollout: learned from and counted as any other, while the capture itself
     runs nothing. So no env step goes unused or uncounted, and episode_sums holds no extra rollout."""
     def rollout():
-        copy_obs(obs, collect_rollout(network, env, obs, buffers, generator, episode_sums))
+        copy_obs(obs, collect_rollout(network, env, obs, buffers, generator, episode_sums, forward))
 
     return rollout
 
@@ -723,7 +726,8 @@ def train(args: Args):
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=batch_size,
               updates_per_iteration=args.update_epochs * args.num_minibatches, progress="env steps")
     obs, _ = env.reset()  # the rollout reads and writes these tensors in place (a captured graph reads them)
-    rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums)
+    rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums,
+                           run.compiled(network.full_depth))
     graphed_rollout, graphed_targets, graphed_update = None, {}, None
 
     with run:

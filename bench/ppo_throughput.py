@@ -51,7 +51,9 @@ def time_rollout_and_eval(args, device, graphed, profile=False):
     buffers = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, device)
     generator, episode_sums = torch.Generator(device).manual_seed(0), torch.zeros(4, device=device)
     obs, _ = env.reset()
-    rollout = gcppo.make_rollout(network, env, obs, buffers, generator, episode_sums)
+    compiled = args.compile and device.type == "cuda"  # as train() runs the policy pass
+    forward = torch.compile(network.full_depth) if compiled else None
+    rollout = gcppo.make_rollout(network, env, obs, buffers, generator, episode_sums, forward)
     targets = partial(gcppo.prepare_targets, network, network, buffers, obs, args)  # with a teacher, as FlexLoop
     if graphed:  # as train() replays them (the captures warm up too)
         rollout = flexloop_run.capture_cuda_graph(rollout, [generator, env.generator], warmup=1)

@@ -332,9 +332,9 @@ def spied_run(tmp_path, **overrides):
     rollouts, updates, losses = [], [], []
     collect, make_update, ppo_loss = gcppo.collect_rollout, gcppo.make_update, gcppo.ppo_loss
 
-    def spy_collect(network, env, obs, buffers, generator, episode_sums):
+    def spy_collect(network, env, obs, buffers, generator, episode_sums, forward=None):
         before = dict(lengths=env.episode_length.clone(), goal=env.goal.clone())
-        obs = collect(network, env, obs, buffers, generator, episode_sums)
+        obs = collect(network, env, obs, buffers, generator, episode_sums, forward)
         rollouts.append({**before, "goal_after": env.goal.clone()})
         return obs
 
@@ -585,9 +585,10 @@ def test_rollout_writes_its_last_obs_in_place_and_the_normalizer_keeps_its_tenso
     assert {name: getattr(network, name).data_ptr() for name in statistics} == statistics
 
 
-def rollouts_from_the_same_start(args, device, captured):
+def rollouts_from_the_same_start(args, device, captured, compiled=False):
     """Three rollouts from one seed, eagerly or replayed from one captured graph whose single warm-up call is the
-    first: between rollouts the normaliser takes in the last one, and before the third a hard reset refreshes obs."""
+    first: between rollouts the normaliser takes in the last one, and before the third a hard reset refreshes obs.
+    compiled: the policy pass torch.compile'd, as train() runs it on a GPU."""
     torch.manual_seed(0)
     network = gcppo.build_network(args, device)
     env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=3, check_actions=False,
@@ -595,7 +596,8 @@ def rollouts_from_the_same_start(args, device, captured):
     buffers = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, device)
     generator, episode_sums = torch.Generator(device).manual_seed(7), torch.zeros(4, device=device)
     obs, _ = env.reset()
-    rollout = gcppo.make_rollout(network, env, obs, buffers, generator, episode_sums)
+    forward = torch.compile(network.full_depth) if compiled else None
+    rollout = gcppo.make_rollout(network, env, obs, buffers, generator, episode_sums, forward)
     if captured:
         replay = flexloop_run.capture_cuda_graph(rollout, [generator, env.generator], warmup=1)
     else:
@@ -613,15 +615,16 @@ def rollouts_from_the_same_start(args, device, captured):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_captured_rollout_equals_the_eager_rollout(exact_float32_matmuls):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_captured_rollout_equals_the_eager_rollout(exact_float32_matmuls, compiled):
     """The rollout graph replays collect_rollout's steps: from the same seeds, its buffers, episode sums and final
     obs must be the eager rollout's, through normaliser updates (read in place) and a hard reset (the static obs
     refreshed). The capture's one warm-up call is the first rollout: more warm-up calls would shift every record
     by a rollout and add their episodes to the sums."""
     device = torch.device("cuda")
     args = tiny_args(Path("."), cuda=True, num_envs=256, num_steps=24, max_episode_steps=6, depth=3, hidden_dim=32)
-    eager = rollouts_from_the_same_start(args, device, captured=False)
-    captured = rollouts_from_the_same_start(args, device, captured=True)
+    eager = rollouts_from_the_same_start(args, device, captured=False, compiled=compiled)
+    captured = rollouts_from_the_same_start(args, device, captured=True, compiled=compiled)
     for i, (a, b) in enumerate(zip(eager, captured)):
         for name in a:
             if name in ("advantages", "value_targets"):
