@@ -11,6 +11,11 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
+# For subprocesses that import the repo: its root first, then any path the caller set (packages installed with
+# pip --target), which a plain "PYTHONPATH": ROOT would drop.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHONPATH = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
+
 # A GC-DQN run of a few seconds on a CPU: pretraining, then FlexLoop (test_layout.py, test_run.py)
 TINY_DQN = dict(num_envs=8, batch_size=8, updates_per_rollout=2, intervals_per_epoch=2, pretrain_epochs=1,
                 num_epochs=1, hidden_dim=16, eval_every=2, num_eval_envs=4, log_every=1, save_every=1,

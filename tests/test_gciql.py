@@ -18,11 +18,10 @@ pytest.importorskip("ogbench")
 import flexloop_gciql as gciql  # noqa: E402
 import flexloop_run  # noqa: E402
 from envs import ogbench_data  # noqa: E402
+from conftest import PYTHONPATH  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PM = "pointmaze-large-stitch-v0"
-# the repo first, then any path the caller set (packages installed with pip --target)
-PYTHONPATH = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
 
 

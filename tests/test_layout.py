@@ -21,7 +21,7 @@ import torch
 
 import eval_adaptive as ea
 import flexloop_run
-from conftest import TINY_DQN, flags
+from conftest import PYTHONPATH, TINY_DQN, flags
 import flexloop_gcdqn as gcdqn
 import flexloop_gciql as gciql
 import flexloop_gcppo as gcppo
@@ -29,8 +29,6 @@ import iru_pretrain
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {"gcdqn": gcdqn, "gcppo": gcppo, "gciql": gciql}
-# the repo first, then any path the caller set (packages installed with pip --target)
-PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH, "COLUMNS": "400"}
 ENV.pop("FLEXLOOP_DEBUG", None)
 

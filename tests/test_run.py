@@ -19,11 +19,9 @@ import envs
 import flexloop_gcdqn as gcdqn
 import flexloop_gcppo as gcppo
 import flexloop_run
-from conftest import TINY_DQN, flags
+from conftest import PYTHONPATH, TINY_DQN, flags
 
 ROOT = Path(__file__).resolve().parent.parent
-# the repo first, then any path the caller set (packages installed with pip --target)
-PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH, "COLUMNS": "400"}
 ENV.pop("FLEXLOOP_DEBUG", None)
 
