@@ -41,6 +41,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
+import flexloop_run  # capture_cuda_graph: warm-up on a side stream, registered generators
+
 EXPERT_FORMAT = "flexloop-ant-expert-v1"
 STATE_FORMAT = "flexloop-ant-expert-state-v1"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -297,8 +299,6 @@ def capture_update(update_step, nets, log_alpha, optimizer, loss_sums, generator
     """update_step as a CUDA graph. The capture's warm-up calls do real updates; they are undone here (parameters,
     temperature, Adam's moments and step counts, loss sums put back in place), so the run still takes exactly one
     update per env step. Their random draws are not put back: they only move the generators on."""
-    import flexloop_run  # the repository's capture helper (warm-up on a side stream, registered generators)
-
     kept = [p for net in nets for p in net.parameters()] + [log_alpha, loss_sums]
     saved = [t.detach().clone() for t in kept]
     saved_adam = {p: {k: v.clone() for k, v in state.items()} for p, state in optimizer.state.items()}
@@ -328,8 +328,6 @@ def make_policy(actor, obs_dim, action_dim, device, graphed):
             return actor.sample(obs_device)[0]
 
     if graphed:
-        import flexloop_run
-
         sample = flexloop_run.capture_cuda_graph(sample, [])
 
     def act(obs):
