@@ -7,7 +7,7 @@ The loss is GC-DQN's TD loss at the full depth K plus
 where Q_k is the ensemble-mean Q-value read out after k recurrent steps (docs/reference.md: the IRU, BoxPick).
 
 The paper's ablations and variants (§5.4, appendix C; docs/reference.md, adaptive inference) are flags of the FlexLoop phase:
-    --ablation distill-only             no TD loss: lambda_depth * KL alone, from the pretrained weights
+    --ablation distill-only             no TD loss: every depth distils the pretrained full-depth policy
     --lambda-depth 0                    Self-TD Only: the TD loss at depth K alone
     --ablation anyk-td --lambda-depth 0 AnyK-TD: the TD loss at every depth (mean over k), no KL
     --depth-target final                distil every depth straight from depth K: KL(sg[pi_K] || pi_k)
@@ -154,8 +154,9 @@ class FlexLoopArgs:
     policy_temperature: float = 0.25
     """tau in pi_k = softmax(Q_k / tau)"""
     ablation: Literal["none", "distill-only", "anyk-td"] = "none"
-    """the FlexLoop phase's TD term: none = at depth K; distill-only = no TD loss (the KL alone, from the pretrained
-    weights); anyk-td = at every depth, averaged. Self-TD Only is --lambda-depth 0. Pretraining is never changed"""
+    """the FlexLoop phase's losses: none = TD at depth K; distill-only = no TD loss, and every depth 1..K distils the
+    pretrained full-depth policy, lambda_depth * mean_k KL(pi_K^pretrained || pi_k) (§5.4); anyk-td = TD at every
+    depth, averaged. Self-TD Only is --lambda-depth 0. Pretraining is never changed"""
     teacher_checkpoint: Optional[str] = None
     """FlexLoop from scratch (appendix C.1): fresh weights, no pretraining; this frozen GC-DQN checkpoint is only
     queried, for the depth-K TD target r + gamma * max_a' Q_teacher(s', g, a'), and its weights are never copied"""
@@ -202,7 +203,8 @@ ENV_FLAG = "env_id"  # the flag naming the env: run names, checkpoints and --ini
 RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug")  # --resume takes these as given
 ALGORITHM = "gcdqn"
 NETWORK_FLAGS = ("depth", "hidden_dim", "num_critics", "iru_variant", "obs_encoding", "backbone")  # an init must match
-CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in a checkpoint
+CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in a checkpoint (+ Distill Only's
+# "pretrained_model", its frozen teacher, which older checkpoints lack)
 GPU_SIZED_FLAGS = ("num_envs", "batch_size", "updates_per_rollout", "hidden_dim")  # their defaults need a GPU
 PRETRAINING_ONLY = dict(lambda_depth=0.0, num_epochs=0, init_checkpoint=None, teacher_checkpoint=None)  # iru_pretrain
 ENV_IDS = tuple(envs.BOXPICK_IDS)  # what check_args accepts
@@ -245,6 +247,8 @@ def check_args(args: Args):
                          "(--pretrain-epochs 0, or --init-checkpoint / --teacher-checkpoint skips it)")
     if args.ablation == "distill-only" and args.lambda_depth == 0:
         raise ValueError("--ablation distill-only with --lambda-depth 0 trains nothing; give a positive --lambda-depth")
+    if args.ablation == "distill-only" and args.depth_target != "adjacent":
+        raise ValueError("--ablation distill-only always distils the pretrained full-depth policy; drop --depth-target")
     if args.bellman_weight < 0:
         raise ValueError(f"--bellman-weight must be >= 0, got {args.bellman_weight}")
     if args.teacher_checkpoint is not None:
@@ -542,12 +546,14 @@ def td_target(target_q_next, rewards, gamma):
 
 
 def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weights, teacher=None,
-                    all_action_gradients=True):
+                    all_action_gradients=True, pretrained=None):
     """The loss of one update on a batch and its terms by LOSS_NAMES, as device tensors (no host sync):
 
         td        sum_k w_k TD_k with w = td_weights (K,) and the target y = r + gamma * max_a' mean_critics
                   Q(s', g, a'), Q the target network's at depth K, or the teacher's full-depth Q when given
-        depth_kl  the depth KL (args.depth_target: adjacent or final)
+        depth_kl  the depth KL (args.depth_target: adjacent or final); with `pretrained` (Distill Only),
+                  mean_{k=1..K} KL(sg[pi_K of the frozen pretrained network] || pi_k) instead: depth K is pulled
+                  too, since without a TD loss nothing else holds the full-depth policy in place
         bellman   the inter-depth Bellman refinement on depths 1..K-2 (with a teacher only; else 0)
         alpha     the temperature loss (entropy: a statistic)
     and the loss td + lambda_depth * depth_kl + bellman_weight * bellman + alpha.
@@ -571,7 +577,12 @@ def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weigh
             network.all_depths(obs, goal, action)[..., 0]
     td = (td_weights * per_depth_td_loss(q_taken, y)).sum()
     logits_per_depth = q_per_depth.mean(1) / args.policy_temperature  # pi_k = softmax(mean_critics Q_k / tau)
-    depth_kl = flexloop_depth_loss(logits_per_depth, args.depth_target)
+    if pretrained is None:
+        depth_kl = flexloop_depth_loss(logits_per_depth, args.depth_target)
+    else:
+        with torch.no_grad(), autocast():
+            pretrained_logits = pretrained.full_depth(obs, goal).mean(0) / args.policy_temperature  # (B, A)
+        depth_kl = IRUNetwork.divergence(pretrained_logits.expand_as(logits_per_depth), logits_per_depth).mean()
     bellman = q_taken.new_zeros(())
     if teacher is not None:  # the student's own target network, every depth, for the inter-depth Bellman loss
         with torch.no_grad(), autocast():
@@ -588,18 +599,19 @@ def flexloop_losses(network, target_network, batch, args, lambda_depth, td_weigh
 
 
 def make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums,
-                td_weights=None, teacher=None, all_action_gradients=True):
+                td_weights=None, teacher=None, all_action_gradients=True, pretrained=None):
     """One update: sample a relabelled batch, the losses of `flexloop_losses`, Adam, Polyak. No host sync,
     fixed shapes: it can be captured in a CUDA graph. lambda_depth and td_weights are device tensors filled
-    per phase (td_weights defaults to depth K alone); the teacher is only ever read. all_action_gradients=False
-    is the faster update of a phase whose lambda_depth is 0 (see `flexloop_losses`)."""
+    per phase (td_weights defaults to depth K alone); the teacher and the pretrained network (Distill Only) are only
+    ever read. all_action_gradients=False is the faster update of a phase whose lambda_depth is 0 (see
+    `flexloop_losses`)."""
     if td_weights is None:
         td_weights = torch.tensor(td_depth_weights("none", args.depth), device=lambda_depth.device)
 
     def update():
         batch = replay.sample(args.batch_size, generator)
         loss, terms = flexloop_losses(network, target_network, batch, args, lambda_depth, td_weights, teacher,
-                                      all_action_gradients)
+                                      all_action_gradients, pretrained)
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
         optimizer.step()
@@ -769,7 +781,13 @@ def train(args: Args):
               ("flexloop", args.num_epochs * args.intervals_per_epoch, args.lambda_depth)]
     phase_td_weights = {"pretrain": torch.tensor(td_depth_weights("none", args.depth), device=device),
                         "flexloop": torch.tensor(td_depth_weights(args.ablation, args.depth), device=device)}
-    parts = {"model": network, "target_model": target_network, "optimizer": optimizer}
+    # Distill Only's teacher: a frozen copy of the network as FlexLoop starts (the --init-checkpoint model, else
+    # made at the switch). A resumed run's is loaded into it; checkpoints hold it as "pretrained_model".
+    distill_only = args.ablation == "distill-only"
+    resumed_one = (run.checkpoint or {}).get("pretrained_model") is not None
+    has_pretrained = distill_only and (run.init is not None or resumed_one)
+    pretrained = copy.deepcopy(network).requires_grad_(False) if has_pretrained else None
+    parts = {"model": network, "target_model": target_network, "optimizer": optimizer, "pretrained_model": pretrained}
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=args.num_envs * args.episode_length,
               updates_per_iteration=args.updates_per_rollout, progress="updates")
     # One training episode in every env at full depth, replayed from a CUDA graph on a GPU, the policy compiled.
@@ -782,13 +800,16 @@ def train(args: Args):
             phase, lam = run.phase()
             lambda_depth.fill_(lam)
             td_weights.copy_(phase_td_weights[phase])  # device to device: no host sync
+            if phase == "flexloop" and distill_only and pretrained is None:  # a two-phase run: the IRU-K at the switch
+                pretrained = parts["pretrained_model"] = copy.deepcopy(network).requires_grad_(False)
             with run.interruptible():  # a stop ends a long CPU collection at once
                 observations, actions, lengths, success, _ = collect()
             replay.add(observations, actions, lengths)
 
             if phase not in updates_by_phase:  # made at the phase's first iteration, once the replay holds data
                 update = make_update(args, network, target_network, optimizer, replay, generators["replay"],
-                                     lambda_depth, loss_sums, td_weights, teacher, all_action_gradients=lam > 0)
+                                     lambda_depth, loss_sums, td_weights, teacher, all_action_gradients=lam > 0,
+                                     pretrained=pretrained if phase == "flexloop" else None)
                 updates_by_phase[phase] = run.graphed_update(run.compiled(update), [generators["replay"]])
             for _ in run.update_steps(args.updates_per_rollout):
                 updates_by_phase[phase]()

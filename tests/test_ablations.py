@@ -106,22 +106,63 @@ def test_anyk_td_is_the_mean_of_the_per_depth_td_losses():
     torch.testing.assert_close(terms_for(args, network, target_network, batch, phase="pretrain")["td"], per_depth[-1])
 
 
-def test_distill_only_has_no_td_term_and_its_gradient_is_the_kl_and_temperature_alone():
+def test_distill_only_distils_the_pretrained_full_depth_policy_into_every_depth_with_no_td_term():
     args, network, target_network, batch = loss_setup(ablation="distill-only")
-    terms = terms_for(args, network, target_network, batch)
-    assert terms["td"] == 0
-    network.zero_grad()
-    terms["loss"].backward()
-    grads = [p.grad.clone() for p in network.parameters()]
-    network.zero_grad()
-    again = terms_for(args, network, target_network, batch)
-    (again["depth_kl"] + again["alpha"]).backward()
-    for got, expected in zip(grads, [p.grad for p in network.parameters()]):
-        torch.testing.assert_close(got, expected)
-    # while plain FlexLoop on the same batch has a TD term
+    pretrained = perturbed(gcdqn.build_network(args, "cpu"), 3).requires_grad_(False)
+    weights = torch.tensor(gcdqn.td_depth_weights("distill-only", DEPTH))
+    loss, terms = gcdqn.flexloop_losses(network, target_network, batch, args, torch.tensor(0.7), weights,
+                                        pretrained=pretrained)
+    td, depth_kl, alpha = (terms[name] for name in ("losses/td_loss", "losses/depth_kl", "losses/alpha_loss"))
+    assert td == 0 and gcdqn.td_depth_weights("distill-only", 3) == [0.0, 0.0, 0.0]
+    # mean over k = 1..K, K included, of KL(pi_K of the pretrained network || pi_k of the trained one)
+    with torch.no_grad():
+        q = network.all_depths(batch["obs"], batch["goal"])
+        p = torch.softmax(pretrained.all_depths(batch["obs"], batch["goal"])[-1].mean(0) / TAU, -1)
+    expected = torch.stack([(p * (p.log() - torch.log_softmax(q[k].mean(0) / TAU, -1))).sum(-1).mean()
+                            for k in range(DEPTH)]).mean()
+    torch.testing.assert_close(depth_kl, expected)
+    torch.testing.assert_close(loss, 0.7 * depth_kl + alpha)
+    # every depth's Q gets a gradient, depth K's too, and the pretrained network none
+    q = network.all_depths(batch["obs"], batch["goal"])
+    q.retain_grad()
+    logits = q.mean(1) / TAU
+    gcdqn.IRUNetwork.divergence(torch.log(p).expand_as(logits), logits).mean().backward()
+    assert all(q.grad[k].abs().sum() > 0 for k in range(DEPTH))
+    assert all(p.grad is None for p in pretrained.parameters())
+    # plain FlexLoop on the same batch has a TD term and the adjacent KL
     assert terms_for(dataclasses.replace(args, ablation="none"), network, target_network, batch)["td"] > 0
-    assert gcdqn.td_depth_weights("distill-only", 3) == [0.0, 0.0, 0.0]
     assert gcdqn.td_depth_weights("none", 3) == [0.0, 0.0, 1.0]
+
+
+def test_distill_only_teacher_is_the_network_at_the_switch_and_survives_a_resume(tmp_path):
+    """A two-phase Distill Only run distils from the IRU-K as pretraining ended (its pretrained.pt), keeps that
+    teacher frozen through the FlexLoop phase, and a resumed run reads it back from latest.pt."""
+    args = tiny_args(tmp_path, ablation="distill-only", num_epochs=2)
+    run_dir = Path(gcdqn.train(args))
+    load = lambda name: torch.load(run_dir / name, weights_only=True)  # noqa: E731
+    pretrained, final = load("pretrained.pt"), load("final.pt")
+    assert pretrained["pretrained_model"] is None  # no teacher while pretraining
+    for name, tensor in pretrained["model"].items():
+        torch.testing.assert_close(final["pretrained_model"][name], tensor)
+    assert any(not torch.equal(final["model"][n], t) for n, t in pretrained["model"].items())  # the student moved
+    # resume from a copy of the final state as if it had been stopped: the teacher comes back, not a fresh copy
+    latest = {**final, "iteration": final["iteration"] - 1, "iteration_updates": 0}
+    torch.save(latest, run_dir / "latest.pt")
+    seen = {}
+    original = gcdqn.make_update
+
+    def spy(*a, **kw):
+        if kw.get("pretrained") is not None:
+            seen["teacher"] = {n: t.clone() for n, t in kw["pretrained"].state_dict().items()}
+        return original(*a, **kw)
+
+    gcdqn.make_update = spy
+    try:
+        gcdqn.train(dataclasses.replace(args, resume=str(run_dir / "latest.pt")))
+    finally:
+        gcdqn.make_update = original
+    for name, tensor in pretrained["model"].items():
+        torch.testing.assert_close(seen["teacher"][name], tensor)
 
 
 def test_final_depth_target_distils_every_depth_from_depth_k():
@@ -284,6 +325,7 @@ def test_from_scratch_run_starts_from_fresh_weights_and_skips_pretraining(tmp_pa
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(ablation="distill-only", lambda_depth=0.0), "--ablation distill-only"),
+    (dict(ablation="distill-only", depth_target="final"), "drop --depth-target"),
     (dict(backbone="lstm", iru_variant="paper"), "--iru-variant"),
     (dict(teacher_checkpoint="t.pt", init_checkpoint="i.pt"), "--teacher-checkpoint"),
     (dict(teacher_checkpoint="t.pt", ablation="anyk-td"), "--teacher-checkpoint"),
