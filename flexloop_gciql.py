@@ -163,6 +163,10 @@ class PerformanceArgs:
     bf16: bool = False
     """run the update's network passes under bf16 autocast, every head in float32 (faster on a GPU; not yet shown
     to learn as well, so off by default)"""
+    cuda_streams: bool = False
+    """GPU: run the value, critic and actor losses (forward and backward) on three CUDA streams, so that their small
+    kernels overlap; the same arithmetic. Off until measured to pay (bench/iql_throughput.py --modes
+    compile-streams-graph)"""
 
 
 @dataclass
@@ -503,23 +507,31 @@ def ddpg_bc_actor_loss(q, log_prob, alpha):
     return q_loss + bc_loss, q_loss, bc_loss
 
 
-def flexloop_losses(network, target_critic, batch, args, lambda_depth):
-    """The loss of one update on a batch and its terms by LOSS_NAMES, as device tensors (no host sync): GC-IQL's
-    value, critic and actor losses at depth K plus lambda_depth * the actor's depth loss."""
-    obs, actions, value_goals, actor_goals = (batch["observations"], batch["actions"], batch["value_goals"],
-                                              batch["actor_goals"])
+def value_branch(network, target_critic, batch, args, lambda_depth):
+    """IQL's value loss: V(s, g) towards the expectile of the target critics' min Q(s, a, g)."""
+    obs, value_goals = batch["observations"], batch["value_goals"]
     with torch.no_grad():
-        target_q = critics_at(target_critic, obs, value_goals, actions).min(0).values
-        next_v = value_at(network.value, batch["next_observations"], value_goals)
-        q_target = critic_target(batch["rewards"], batch["masks"], next_v, args.gamma)
-
+        target_q = critics_at(target_critic, obs, value_goals, batch["actions"]).min(0).values
     v = value_at(network.value, obs, value_goals)
     value_loss = expectile_loss(target_q - v, args.expectile).mean()
+    return value_loss, {"losses/value_loss": value_loss, "charts/v_mean": v.mean()}
 
-    q = critics_at(network.critic, obs, value_goals, actions)
+
+def critic_branch(network, target_critic, batch, args, lambda_depth):
+    """IQL's critic loss: each critic's MSE to r + gamma * mask * V(s', g)."""
+    obs, value_goals = batch["observations"], batch["value_goals"]
+    with torch.no_grad():
+        next_v = value_at(network.value, batch["next_observations"], value_goals)
+        q_target = critic_target(batch["rewards"], batch["masks"], next_v, args.gamma)
+    q = critics_at(network.critic, obs, value_goals, batch["actions"])
     critic_loss = ((q - q_target) ** 2).mean(1).sum()  # MSE on each critic
+    return critic_loss, {"losses/critic_loss": critic_loss, "charts/q_mean": q.mean()}
 
-    # Actor at depth K. Q(s, g, mu) trains only the actor: the critic runs with detached weights.
+
+def actor_branch(network, target_critic, batch, args, lambda_depth):
+    """The DDPG+BC actor loss at depth K plus lambda_depth * the actor's depth loss. Q(s, g, mu) trains only the
+    actor: the critic runs with detached weights."""
+    obs, actions, actor_goals = batch["observations"], batch["actions"], batch["actor_goals"]
     policies = network.actor.all_depths(obs, actor_goals)  # (K, B, 2, A)
     mean, std = policies[-1, :, 0], policies[-1, :, 1]
     frozen_critic = {name: p.detach() for name, p in network.critic.named_parameters()}
@@ -527,10 +539,48 @@ def flexloop_losses(network, target_critic, batch, args, lambda_depth):
     q_actor = torch.func.functional_call(network.critic, frozen_critic, (q_actor_input,))[..., 0].min(0).values
     actor_loss, q_loss, bc_loss = ddpg_bc_actor_loss(q_actor, gaussian_log_prob(actions, mean, std), args.alpha)
     depth_kl = flexloop_depth_loss(policies, args.depth_target)
+    return actor_loss + lambda_depth * depth_kl, {
+        "losses/actor_loss": actor_loss, "losses/depth_kl": depth_kl, "losses/q_loss": q_loss,
+        "losses/bc_loss": bc_loss, "charts/actor_mse": ((mean - actions) ** 2).mean()}
 
-    loss = value_loss + critic_loss + actor_loss + lambda_depth * depth_kl
-    return loss, dict(zip(LOSS_NAMES, (value_loss, critic_loss, actor_loss, depth_kl, q_loss, bc_loss, v.mean(),
-                                       q.mean(), ((mean - actions) ** 2).mean())))
+
+LOSS_BRANCHES = (value_branch, critic_branch, actor_branch)  # independent: each reads the others' weights only
+
+
+def flexloop_losses(network, target_critic, batch, args, lambda_depth, branches=LOSS_BRANCHES):
+    """The loss of one update on a batch and its terms by LOSS_NAMES, as device tensors (no host sync): GC-IQL's
+    value, critic and actor losses at depth K plus lambda_depth * the actor's depth loss, one branch each."""
+    return sum_branches([branch(network, target_critic, batch, args, lambda_depth) for branch in branches])
+
+
+def sum_branches(parts):
+    """The branches' (loss, terms) pairs as one loss and its terms by LOSS_NAMES."""
+    loss = sum(branch_loss for branch_loss, _ in parts)
+    terms = {name: value for _, branch_terms in parts for name, value in branch_terms.items()}
+    return loss, {name: terms[name] for name in LOSS_NAMES}
+
+
+def on_cuda_streams(branches, device):
+    """flexloop_losses with each branch on a CUDA stream of its own (--cuda-streams). The three branches are
+    independent and each is hundreds of small kernels that leave most of the GPU idle, so side by side they
+    overlap. Autograd runs each backward kernel on its forward's stream, so the backward pass overlaps too."""
+    streams = [torch.cuda.Stream(device) for _ in branches]
+
+    def losses(network, target_critic, batch, args, lambda_depth):
+        main = torch.cuda.current_stream(device)
+        parts = []
+        for branch, stream in zip(branches, streams):
+            stream.wait_stream(main)  # the batch is ready
+            with torch.cuda.stream(stream):
+                parts.append(branch(network, target_critic, batch, args, lambda_depth))
+        for stream in streams:
+            main.wait_stream(stream)
+        for loss, terms in parts:  # made on a side stream, read on the main one: keep the allocator from reusing them
+            for tensor in (loss, *terms.values()):
+                tensor.record_stream(main)
+        return sum_branches(parts)
+
+    return losses
 
 
 def make_update(args, network, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
@@ -539,7 +589,7 @@ def make_update(args, network, target_critic, optimizer, dataset, generator, lam
     No host sync, fixed shapes: it can be captured in a CUDA graph. lambda_depth is a 0-d tensor, so one captured
     graph serves both phases; the loss parts add to loss_sums. With --bf16 the losses' network passes run under
     bf16 autocast; the backward pass runs outside it, as torch.autocast advises. `losses` is flexloop_losses,
-    compiled or not (the update around it is captured, not compiled)."""
+    compiled or not, or `on_cuda_streams` (the update around it is captured, not compiled)."""
     critic_params, target_params = list(network.critic.parameters()), list(target_critic.parameters())
 
     def update():
@@ -702,8 +752,12 @@ def train(args: Args):
         target_critic.load_state_dict(run.init["target_model"])
     on_cuda = device.type == "cuda"
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=on_cuda, fused=on_cuda)
+    if args.cuda_streams and device.type == "cuda":
+        losses = on_cuda_streams([run.compiled(branch) for branch in LOSS_BRANCHES], device)
+    else:
+        losses = run.compiled(flexloop_losses)
     update = make_update(args, network, target_critic, optimizer, dataset, generators["sample"], lambda_depth,
-                         loss_sums, losses=run.compiled(flexloop_losses))
+                         loss_sums, losses=losses)
 
     # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network was given, then FlexLoop. An iteration
     # is one update. From the flags, not run.init: a resumed run started from one has none.

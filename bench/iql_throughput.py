@@ -8,7 +8,8 @@ MuJoCo envs on the CPU, side by side, acting with an untrained actor at every de
 
 Update modes: eager (plain PyTorch), graph (one update captured in a CUDA graph), compile-graph (the losses
 torch.compile'd, then captured: what flexloop_gciql.py does on GPU), compile-update-graph (the whole update
-compiled, then captured). The goal is 1M updates in 30 min, about 560 updates/s. Prints one JSON line per
+compiled, then captured), streams-graph and compile-streams-graph (--cuda-streams: the value, critic and actor
+losses on three CUDA streams, each branch compiled or not, then captured). The goal is 1M updates in 30 min, about 560 updates/s. Prints one JSON line per
 measurement. The untrained actor rarely reaches a goal, so its episodes run to the time limit: the slowest case.
 """
 
@@ -57,7 +58,11 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
     generator = torch.Generator(device).manual_seed(0)
     lambda_depth = torch.full((), lam, device=device)
     loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device=device)
-    losses = torch.compile(gciql.flexloop_losses) if mode == "compile-graph" else gciql.flexloop_losses
+    if mode in ("streams-graph", "compile-streams-graph"):  # --cuda-streams: the three loss branches side by side
+        branches = [torch.compile(branch) if mode.startswith("compile") else branch for branch in gciql.LOSS_BRANCHES]
+        losses = gciql.on_cuda_streams(branches, device)
+    else:
+        losses = torch.compile(gciql.flexloop_losses) if mode == "compile-graph" else gciql.flexloop_losses
     update = gciql.make_update(args, agent, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
                                losses=losses)
     if mode == "compile-update-graph":
@@ -110,7 +115,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env-name", default="cube-double-play-v0", choices=list(ogbench_data.DATASETS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--modes", nargs="+", default=None, help="eager, graph, compile-graph, compile-update-graph")
+    parser.add_argument("--modes", nargs="+", default=None, help="eager, graph, compile-graph, compile-update-graph, "
+                        "streams-graph, compile-streams-graph (the last two: --cuda-streams, GPU only)")
     parser.add_argument("--updates", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=5)

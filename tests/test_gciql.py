@@ -1,6 +1,7 @@
 """flexloop_gciql.py: GC-IQL losses, the normalised KL, IRU equations, the actor's depth protocol, OGBench
 evaluation, smoke runs with checkpoints and resume, and iru_pretrain's gciql subcommand. CPU, no network."""
 
+import copy
 import json
 import math
 import os
@@ -331,6 +332,39 @@ def test_gpu_speedups_are_on_by_default_and_ignored_on_cpu(data_dir, tmp_path, n
     args = tiny_args(data_dir, tmp_path)
     assert args.compile and args.cuda_graph
     assert (Path(gciql.train(args)) / "final.pt").exists()
+
+
+def test_cuda_streams_flag_is_ignored_on_cpu(data_dir, tmp_path):
+    args = tiny_args(data_dir, tmp_path, cuda_streams=True, pretrain_steps=2, total_steps=2)
+    assert (Path(gciql.train(args)) / "final.pt").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams need a GPU")
+def test_loss_branches_on_cuda_streams_train_as_on_one_stream(data_dir):
+    """--cuda-streams: the value, critic and actor branches on three streams, the update captured in a CUDA
+    graph, give the weights and loss sums of the same update on one stream."""
+    device = torch.device("cuda")
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", depth=3, hidden_dim=32, cuda=True))
+    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False, device=device)
+    results = []
+    for losses in (gciql.flexloop_losses, gciql.on_cuda_streams(gciql.LOSS_BRANCHES, device)):
+        torch.manual_seed(0)
+        agent = gciql.build_network(args, device)
+        target_critic = copy.deepcopy(agent.critic).requires_grad_(False)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, capturable=True, fused=True)
+        generator = torch.Generator(device).manual_seed(0)
+        loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device=device)
+        update = gciql.make_update(args, agent, target_critic, optimizer, dataset, generator,
+                                   torch.tensor(0.3, device=device), loss_sums, losses=losses)
+        graphed = flexloop_run.capture_cuda_graph(update, [generator])
+        for _ in range(3):
+            graphed()
+        results.append(([p.detach().clone() for p in agent.parameters()], loss_sums.clone()))
+    (weights, sums), (stream_weights, stream_sums) = results
+    torch.testing.assert_close(stream_sums, sums)
+    for got, expected in zip(stream_weights, weights):
+        torch.testing.assert_close(got, expected)
+    assert (sums != 0).all()
 
 
 def test_smoke_run_two_phases(smoke_run):
