@@ -17,6 +17,7 @@ D should change `divergence` to match, and changing `divergence` changes the rul
 import copy
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -663,22 +664,52 @@ def rollout_metrics(buffers, episode_sums):
 
 
 @torch.no_grad()
+def evaluation_episode(network, env, depth, success):
+    """Every env plays one episode at `depth` with the deterministic (argmax) policy, from a fresh task of the
+    env's generator; success (num_envs,) is set where it reached the goal. Fixed shapes, no host sync: it can be
+    captured in a CUDA graph."""
+    obs, _ = env.reset()
+    alive = torch.ones(env.num_envs, dtype=torch.bool, device=env.device)
+    solved = torch.zeros_like(alive)
+    for _ in range(env.max_steps):
+        logits = network.policy_logits(obs["observation"], obs["desired_goal"], depth)
+        obs, _, terminated, truncated, _ = env.step(network.act(logits, deterministic=True))
+        solved |= alive & terminated
+        alive &= ~(terminated | truncated)
+    success.copy_(solved)
+
+
+def make_evaluate(network, eval_envs, cuda_graph=False):
+    """evaluate(seed): deterministic success at every depth 1..K on each split, one episode per env, on the same
+    tasks at every depth (the env's generator is reseeded before each; the splits draw different tasks), as
+    device tensors. With cuda_graph each split and depth's episode is captured at the first evaluation, whose one
+    warm-up call is that evaluation's episode, and replayed after: reseeding the generator before a replay gives
+    the eager episode's tasks."""
+    success = {(split, depth): torch.zeros(env.num_envs, dtype=torch.bool, device=env.device)
+               for split, env in eval_envs.items() for depth in range(1, network.depth + 1)}
+    captured = {}
+
+    def evaluate(seed):
+        results = {}
+        for (split, depth), solved in success.items():
+            env = eval_envs[split]
+            env.generator.manual_seed(seed)
+            if (split, depth) in captured:
+                captured[(split, depth)]()
+            elif cuda_graph:
+                episode = partial(evaluation_episode, network, env, depth, solved)
+                captured[(split, depth)] = flexloop_run.capture_cuda_graph(episode, [env.generator], warmup=1)
+            else:
+                evaluation_episode(network, env, depth, solved)
+            results[f"eval/{split}/success_depth_{depth}"] = solved.float().mean()
+        return results
+
+    return evaluate
+
+
 def evaluate(network, eval_envs, seed):
-    """Deterministic (argmax) success at every depth 1..K on each split: one episode per env, on the same
-    tasks at every depth (the env is reseeded; the splits draw different tasks), as device tensors."""
-    results = {}
-    for split, env in eval_envs.items():
-        for depth in range(1, network.depth + 1):
-            obs, _ = env.reset(seed=seed)
-            alive = torch.ones(env.num_envs, dtype=torch.bool, device=env.device)
-            success = torch.zeros(env.num_envs, dtype=torch.bool, device=env.device)
-            for _ in range(env.max_steps):
-                logits = network.policy_logits(obs["observation"], obs["desired_goal"], depth)
-                obs, _, terminated, truncated, _ = env.step(network.act(logits, deterministic=True))
-                success |= alive & terminated
-                alive &= ~(terminated | truncated)
-            results[f"eval/{split}/success_depth_{depth}"] = success.float().mean()
-    return results
+    """make_evaluate's evaluation, eager, once."""
+    return make_evaluate(network, eval_envs)(seed)
 
 
 def format_eval(results, args, iteration):
@@ -729,6 +760,7 @@ def train(args: Args):
     rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums,
                            run.compiled(network.full_depth))
     graphed_rollout, graphed_targets, graphed_update = None, {}, None
+    evaluate_now = make_evaluate(network, eval_envs, run.cuda_graph)  # on a GPU, each depth's episode a CUDA graph
 
     with run:
         while run.running():
@@ -769,7 +801,7 @@ def train(args: Args):
                 run.log({"charts/lambda_depth": lam, "charts/learning_rate": args.learning_rate,
                          **rollout_metrics(buffers, episode_sums)})
             if run.evaluate_due():
-                run.evaluate(evaluate, network, eval_envs, args.seed + 1000)
+                run.evaluate(evaluate_now, args.seed + 1000)
             run.save_due()
     return run.finish()  # final.pt, or latest.pt after a stop
 

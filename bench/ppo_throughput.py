@@ -7,7 +7,8 @@
 Runs train() with warmup and with warmup + iterations rollouts in each phase (pretraining, then FlexLoop
 with its teacher), and times the difference: setup, compilation, graph capture and the end-of-phase evaluations
 cancel out. Also times one rollout alone (collection + GAE, replayed from CUDA graphs as train() does with
---cuda-graph on a GPU) and one evaluation (every depth, both splits); an iteration's update epochs take the rest.
+--cuda-graph on a GPU) and one evaluation (every depth, both splits; each depth's episode replayed from a CUDA graph,
+as train() does on a GPU); an iteration's update epochs take the rest.
 Prints one JSON line, with the projected minutes of a 50M-step phase. With --profile (GPU) it adds the kernels
 of one rollout step and of one FlexLoop minibatch update, each as train() replays it, with their GPU time.
 """
@@ -58,9 +59,9 @@ def time_rollout_and_eval(args, device, graphed, profile=False):
     if graphed:  # as train() replays them (the captures warm up too)
         rollout = flexloop_run.capture_cuda_graph(rollout, [generator, env.generator], warmup=1)
         targets = flexloop_run.capture_cuda_graph(targets, [])
+    evaluate = gcppo.make_evaluate(network, eval_envs, cuda_graph=graphed)  # the first call captures, as in train()
     times = {}
-    for name, work in [("rollout", lambda: (rollout(), targets())),
-                       ("eval", lambda: gcppo.evaluate(network, eval_envs, seed=0))]:
+    for name, work in [("rollout", lambda: (rollout(), targets())), ("eval", lambda: evaluate(0))]:
         work()  # warm-up
         sync(device)
         start = time.perf_counter()

@@ -643,6 +643,49 @@ def test_captured_rollout_equals_the_eager_rollout(exact_float32_matmuls, compil
     assert 0 < captured[-1]["episode_sums"][3].item() <= 3 * args.num_envs * args.num_steps
 
 
+def test_evaluation_plays_the_tasks_of_a_seeded_reset_at_every_depth():
+    """evaluate(seed) reseeds each split's env before each depth: every depth plays the tasks that
+    env.reset(seed=seed) draws, with the argmax policy, one episode per env."""
+    args = tiny_args(Path("."), depth=3, hidden_dim=16, num_eval_envs=64)
+    torch.manual_seed(0)
+    network = gcppo.build_network(args, "cpu")
+    _, eval_envs = gcppo.make_envs(args, "cpu")
+    results = gcppo.evaluate(network, eval_envs, seed=5)
+    for split, env in eval_envs.items():
+        for depth in range(1, args.depth + 1):
+            obs, _ = env.reset(seed=5)
+            alive, solved = torch.ones(env.num_envs, dtype=torch.bool), torch.zeros(env.num_envs, dtype=torch.bool)
+            for _ in range(env.max_steps):
+                logits = network.policy_logits(obs["observation"], obs["desired_goal"], depth)
+                obs, _, terminated, truncated, _ = env.step(logits.argmax(-1))
+                solved |= alive & terminated
+                alive &= ~(terminated | truncated)
+            assert results[f"eval/{split}/success_depth_{depth}"].item() == solved.float().mean().item()
+    again = gcppo.evaluate(network, eval_envs, seed=5)  # the same seed, the same tasks, the same scores
+    assert all(again[name].item() == value.item() for name, value in results.items())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_captured_evaluation_equals_the_eager_one_and_reads_the_live_weights(exact_float32_matmuls):
+    """The evaluation's episodes, captured at the first evaluation and replayed after, score what the eager
+    evaluation scores on the same tasks, before and after the weights change in place (as training changes them)."""
+    device = torch.device("cuda")
+    args = tiny_args(Path("."), cuda=True, depth=3, hidden_dim=32, num_eval_envs=256)
+    torch.manual_seed(1)
+    network = gcppo.build_network(args, device)
+    _, eval_envs = gcppo.make_envs(args, device)
+    captured = gcppo.make_evaluate(network, eval_envs, cuda_graph=True)
+    for round_ in range(2):
+        eager = gcppo.evaluate(network, eval_envs, seed=7)
+        replayed = captured(seed=7)
+        assert replayed.keys() == eager.keys()
+        for name in eager:
+            assert replayed[name].item() == eager[name].item(), f"evaluation {round_}: {name}"
+        with torch.no_grad():  # what an update does: new values in the same tensors
+            for p in network.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_captured_training_counts_every_env_step_resumes_and_learns(tmp_path):
     """A GPU run with the rollout, the targets and the update replayed from CUDA graphs: both phases (the targets
