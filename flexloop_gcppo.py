@@ -17,7 +17,6 @@ D should change `divergence` to match, and changing `divergence` changes the rul
 import copy
 import sys
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -696,8 +695,8 @@ def make_evaluate(network, eval_envs, cuda_graph=False):
             env.generator.manual_seed(seed)
             if (split, depth) in captured:
                 captured[(split, depth)]()
-            elif cuda_graph:
-                episode = partial(evaluation_episode, network, env, depth, solved)
+            elif cuda_graph:  # the capture calls the episode now (its warm-up and its recording), never later
+                episode = lambda: evaluation_episode(network, env, depth, solved)  # noqa: E731
                 captured[(split, depth)] = flexloop_run.capture_cuda_graph(episode, [env.generator], warmup=1)
             else:
                 evaluation_episode(network, env, depth, solved)

@@ -81,13 +81,13 @@ def test_no_module_imports_an_entry_point_except_the_benchmarks():
 
 
 @pytest.mark.skipif(subprocess.run(["which", "diff"], capture_output=True).returncode != 0, reason="needs GNU diff")
-def test_a_diff_of_gcdqn_and_gcppo_shows_at_most_45_hunks():
+def test_a_diff_of_gcdqn_and_gcppo_shows_at_most_46_hunks():
     """The two scripts differ by their algorithms, not by their bookkeeping (110 hunks on 2026-11-20, before the
-    scripts shared one order and vocabulary)."""
+    scripts shared one order and vocabulary; 44 on 2026-12-01, then GC-PPO's captured evaluation added one)."""
     diff = subprocess.run(["diff", "flexloop_gcdqn.py", "flexloop_gcppo.py"], cwd=ROOT, capture_output=True,
                           text=True).stdout
     hunks = [line for line in diff.splitlines() if line[:1].isdigit()]
-    assert len(hunks) <= 45, f"{len(hunks)} hunks: keep the shared parts of the two scripts in one order and wording"
+    assert len(hunks) <= 46, f"{len(hunks)} hunks: keep the shared parts of the two scripts in one order and wording"
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -108,7 +108,10 @@ def test_the_sections_come_in_design_md_order_and_train_is_short(name):
 def test_the_loss_terms_are_keyed_by_loss_names(name):
     module = SCRIPTS[name]
     assert len(set(module.LOSS_NAMES)) == len(module.LOSS_NAMES) and "losses/depth_kl" in module.LOSS_NAMES
-    assert 'return loss, dict(zip(LOSS_NAMES,' in inspect.getsource(module.flexloop_losses)
+    if name == "gciql":  # its losses come in three branches, joined by sum_branches
+        assert 'return loss, {name: terms[name] for name in LOSS_NAMES}' in inspect.getsource(module.sum_branches)
+    else:
+        assert 'return loss, dict(zip(LOSS_NAMES,' in inspect.getsource(module.flexloop_losses)
 
 
 def test_help_shows_the_groups_and_the_flags_stay_flat():
