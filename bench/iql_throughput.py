@@ -9,8 +9,8 @@ MuJoCo envs on the CPU, side by side, acting with an untrained actor at every de
 Update modes: eager (plain PyTorch), graph (one update captured in a CUDA graph), compile-graph (the losses
 torch.compile'd, then captured: what flexloop_gciql.py does on GPU), compile-update-graph (the whole update
 compiled, then captured), streams-graph and compile-streams-graph (--cuda-streams: the value, critic and actor
-losses on three CUDA streams, each branch compiled or not, then captured). The goal is 1M updates in 30 min, about 560 updates/s. Prints one JSON line per
-measurement. The untrained actor rarely reaches a goal, so its episodes run to the time limit: the slowest case.
+losses on three CUDA streams, each branch compiled or not, then captured). The goal is 1M updates in 30 min,
+about 560 updates/s. Prints one JSON line per measurement. The untrained actor rarely reaches a goal, so its episodes run to the time limit: the slowest case.
 """
 
 import argparse
