@@ -10,7 +10,8 @@ Update modes: eager (plain PyTorch), graph (one update captured in a CUDA graph)
 torch.compile'd, then captured: what flexloop_gciql.py does on GPU), compile-update-graph (the whole update
 compiled, then captured), streams-graph and compile-streams-graph (--cuda-streams: the value, critic and actor
 losses on three CUDA streams, each branch compiled or not, then captured). The goal is 1M updates in 30 min,
-about 560 updates/s. Prints one JSON line per measurement. The untrained actor rarely reaches a goal, so its episodes run to the time limit: the slowest case.
+about 560 updates/s. Prints one JSON line per measurement. The untrained actor rarely reaches a goal, so its
+episodes run to the time limit: the slowest case.
 """
 
 import argparse
