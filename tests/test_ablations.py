@@ -134,9 +134,10 @@ def test_distill_only_distils_the_pretrained_full_depth_policy_into_every_depth_
     assert gcdqn.td_depth_weights("none", 3) == [0.0, 0.0, 1.0]
 
 
-def test_distill_only_teacher_is_the_network_at_the_switch_and_survives_a_resume(tmp_path):
+def test_distill_only_teacher_is_the_pretrained_network_and_survives_a_resume(tmp_path):
     """A two-phase Distill Only run distils from the IRU-K as pretraining ended (its pretrained.pt), keeps that
-    teacher frozen through the FlexLoop phase, and a resumed run reads it back from latest.pt."""
+    teacher frozen through the FlexLoop phase, and a resumed run reads it back from latest.pt. A run from
+    --init-checkpoint distils from the checkpoint's model."""
     args = tiny_args(tmp_path, ablation="distill-only", num_epochs=2)
     run_dir = Path(gcdqn.train(args))
     load = lambda name: torch.load(run_dir / name, weights_only=True)  # noqa: E731
@@ -163,6 +164,11 @@ def test_distill_only_teacher_is_the_network_at_the_switch_and_survives_a_resume
         gcdqn.make_update = original
     for name, tensor in pretrained["model"].items():
         torch.testing.assert_close(seen["teacher"][name], tensor)
+    # from --init-checkpoint, the teacher is the checkpoint's model
+    started = Path(gcdqn.train(tiny_args(tmp_path / "init", ablation="distill-only",
+                                         init_checkpoint=str(run_dir / "pretrained.pt"))))
+    for name, tensor in pretrained["model"].items():
+        torch.testing.assert_close(torch.load(started / "final.pt", weights_only=True)["pretrained_model"][name], tensor)
 
 
 def test_final_depth_target_distils_every_depth_from_depth_k():
