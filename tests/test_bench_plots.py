@@ -1,6 +1,7 @@
 """bench/plot_parity.py: every run is drawn however many are given, and a run's cut last line is skipped.
 bench/seed_table.py: the mean and sample std over seeds of eval_adaptive.py results, runs of one seed joined, and
-each seed's mean depth at matched success; its figure of the same means."""
+each seed's mean depth at matched success; its figure of the same means.
+bench/plot_flexloop_length.py: the seed means of depth and success at each FlexLoop length, and a clear refusal."""
 
 import importlib.util
 import json
@@ -167,3 +168,28 @@ def test_seed_table_plot_draws_the_seed_mean_of_the_labels_asked_for(tmp_path):
     with pytest.raises(SystemExit, match="the labels are"):
         seed_table.plot_elasticity(by_label, ["AnyK-TD"], tmp_path / "x.png")
     plt.close("all")
+
+
+def fake_results(path, rows):
+    """An eval_adaptive.py results.json with one checkpoint per (mean depth, success) row, at ε = 0.05 only."""
+    checkpoints = [{"label": f"c{i}", "adaptive": {split: [{"eps": 0.05, "mean_depth": depth, "success": success}]
+                                                   for split in ("train", "unseen")}}
+                   for i, (depth, success) in enumerate(rows)]
+    path.write_text(json.dumps({"checkpoints": checkpoints}))
+    return str(path)
+
+
+def test_plot_flexloop_length_gives_the_seed_means_at_each_length(tmp_path, monkeypatch, capsys):
+    plot = load_bench("plot_flexloop_length")
+    files = [fake_results(tmp_path / "a.json", [(4.4, 0.7), (3.8, 0.8)]),
+             fake_results(tmp_path / "b.json", [(4.2, 0.9), (3.6, 0.6)])]
+    out = tmp_path / "length.png"
+    monkeypatch.setattr(sys, "argv", ["plot", "--results", *files, "--steps", "0", "50", "--out", str(out)])
+    plot.main()
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["train"]["mean_depth"] == pytest.approx([4.3, 3.7])
+    assert summary["unseen"]["success"] == pytest.approx([0.8, 0.7])
+    assert out.stat().st_size > 0
+    monkeypatch.setattr(sys, "argv", ["plot", "--results", *files, "--steps", "0", "--out", str(out)])
+    with pytest.raises(SystemExit, match="one length per checkpoint"):
+        plot.main()
