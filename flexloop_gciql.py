@@ -544,13 +544,14 @@ def actor_branch(network, target_critic, batch, args, lambda_depth):
         "losses/bc_loss": bc_loss, "charts/actor_mse": ((mean - actions) ** 2).mean()}
 
 
-LOSS_BRANCHES = (value_branch, critic_branch, actor_branch)  # independent: each reads the others' weights only
+# Independent: each reads the others' weights only. One signature, (network, target_critic, batch, args, lambda_depth).
+LOSS_BRANCHES = (value_branch, critic_branch, actor_branch)
 
 
-def flexloop_losses(network, target_critic, batch, args, lambda_depth, branches=LOSS_BRANCHES):
+def flexloop_losses(network, target_critic, batch, args, lambda_depth):
     """The loss of one update on a batch and its terms by LOSS_NAMES, as device tensors (no host sync): GC-IQL's
     value, critic and actor losses at depth K plus lambda_depth * the actor's depth loss, one branch each."""
-    return sum_branches([branch(network, target_critic, batch, args, lambda_depth) for branch in branches])
+    return sum_branches([branch(network, target_critic, batch, args, lambda_depth) for branch in LOSS_BRANCHES])
 
 
 def sum_branches(parts):
@@ -752,7 +753,7 @@ def train(args: Args):
         target_critic.load_state_dict(run.init["target_model"])
     on_cuda = device.type == "cuda"
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=on_cuda, fused=on_cuda)
-    if args.cuda_streams and device.type == "cuda":
+    if args.cuda_streams and on_cuda:
         losses = on_cuda_streams([run.compiled(branch) for branch in LOSS_BRANCHES], device)
     else:
         losses = run.compiled(flexloop_losses)
