@@ -163,10 +163,10 @@ class PerformanceArgs:
     bf16: bool = False
     """run the update's network passes under bf16 autocast, every head in float32 (faster on a GPU; not yet shown
     to learn as well, so off by default)"""
-    cuda_streams: bool = False
+    cuda_streams: bool = True
     """GPU: run the value, critic and actor losses (forward and backward) on three CUDA streams, so that their small
-    kernels overlap; the same arithmetic. Off until measured to pay (bench/iql_throughput.py --modes
-    compile-streams-graph)"""
+    kernels overlap: the same arithmetic, 1.46x the updates on an H200 (docs/benchmarks.md). Ignored on CPU;
+    --no-cuda-streams runs them on one stream"""
 
 
 @dataclass

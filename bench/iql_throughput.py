@@ -7,9 +7,9 @@ MuJoCo envs on the CPU, side by side, acting with an untrained actor at every de
         --eval-episodes 1 --eval-envs 5 --no-eval-async              # a CPU check
 
 Update modes: eager (plain PyTorch), graph (one update captured in a CUDA graph), compile-graph (the losses
-torch.compile'd, then captured: what flexloop_gciql.py does on GPU), compile-update-graph (the whole update
-compiled, then captured), streams-graph and compile-streams-graph (--cuda-streams: the value, critic and actor
-losses on three CUDA streams, each branch compiled or not, then captured). The goal is 1M updates in 30 min,
+torch.compile'd, then captured: flexloop_gciql.py --no-cuda-streams), compile-update-graph (the whole update
+compiled, then captured), streams-graph and compile-streams-graph (the value, critic and actor losses on three
+CUDA streams, each branch compiled or not, then captured; the second is what flexloop_gciql.py does on GPU). The goal is 1M updates in 30 min,
 about 560 updates/s. Prints one JSON line per measurement. The untrained actor rarely reaches a goal, so its
 episodes run to the time limit: the slowest case.
 """
@@ -135,8 +135,8 @@ if __name__ == "__main__":
     args = gciql.resolve_dataset_defaults(dataclasses.replace(
         gciql.Args(), env_name=cli.env_name, batch_size=cli.batch_size, depth=cli.depth, hidden_dim=cli.hidden_dim,
         bf16=cli.bf16))
-    modes = cli.modes or (["eager", "graph", "compile-graph", "compile-update-graph"] if device.type == "cuda"
-                          else ["eager"])
+    gpu_modes = ["eager", "graph", "compile-graph", "compile-update-graph", "compile-streams-graph"]
+    modes = cli.modes or (gpu_modes if device.type == "cuda" else ["eager"])
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "env_name": args.env_name, "depth": args.depth,
               "hidden_dim": args.hidden_dim, "batch_size": args.batch_size, "bf16": args.bf16}
