@@ -9,9 +9,9 @@ MuJoCo envs on the CPU, side by side, acting with an untrained actor at every de
 Update modes: eager (plain PyTorch), graph (one update captured in a CUDA graph), compile-graph (the losses
 torch.compile'd, then captured: flexloop_gciql.py --no-cuda-streams), compile-update-graph (the whole update
 compiled, then captured), streams-graph and compile-streams-graph (the value, critic and actor losses on three
-CUDA streams, each branch compiled or not, then captured; the second is what flexloop_gciql.py does on GPU). The goal is 1M updates in 30 min,
-about 560 updates/s. Prints one JSON line per measurement. The untrained actor rarely reaches a goal, so its
-episodes run to the time limit: the slowest case.
+CUDA streams, each branch compiled or not, then captured; the second is what flexloop_gciql.py does on GPU). The
+goal is 1M updates in 30 min, about 560 updates/s. Prints one JSON line per measurement. The untrained actor
+rarely reaches a goal, so its episodes run to the time limit: the slowest case.
 """
 
 import argparse
