@@ -6,6 +6,10 @@ of long runs beside the paper's final values (--paper).
         --out docs/figures/gcdqn_parity.png
 
 With --depths 5 only depth 5 is drawn and each run gets its own colour: many runs of one setting side by side.
+GC-IQL runs log one success per depth over the dataset's five tasks (eval/success_depth_<k>), drawn in one panel:
+
+    python bench/plot_parity.py --runs tf32/metrics.jsonl bf16/metrics.jsonl --labels TF32 bf16 --updates-per-step 1 \
+        --episodes 250 --out docs/figures/gciql_bf16_parity.png
 """
 
 import argparse
@@ -19,6 +23,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+SPLIT_PREFIXES = {"train": "eval/train/success_depth_", "unseen": "eval/unseen/success_depth_"}  # GC-DQN, GC-PPO
+ALL_TASKS_PREFIX = {"all": "eval/success_depth_"}  # GC-IQL: the mean over the dataset's tasks
+
+
 def eval_records(path):
     records = []
     for line in open(path):
@@ -26,9 +34,16 @@ def eval_records(path):
             record = json.loads(line)
         except json.JSONDecodeError:  # a killed run may leave its last line cut short
             continue
-        if any(key.startswith("eval/train/success_depth_") for key in record):
+        if any(key.startswith(prefix) for key in record
+               for prefix in (*SPLIT_PREFIXES.values(), *ALL_TASKS_PREFIX.values())):
             records.append(record)
     return records
+
+
+def panels_of(runs):
+    """{panel title: the success key's prefix}: the train and unseen splits, or GC-IQL's one mean over tasks."""
+    first = next(iter(runs.values()))[0]
+    return SPLIT_PREFIXES if any(key.startswith(SPLIT_PREFIXES["train"]) for key in first) else ALL_TASKS_PREFIX
 
 
 def main():
@@ -46,32 +61,40 @@ def main():
     parser.add_argument("--title", default="")
     parser.add_argument("--out", required=True)
     cli = parser.parse_args()
+    if len(cli.labels) != len(cli.runs):
+        parser.error(f"give one --labels entry per --runs file: {len(cli.runs)} runs, {len(cli.labels)} labels")
     runs = {label: eval_records(path) for label, path in zip(cli.labels, cli.runs)}
+    for label, path in zip(cli.labels, cli.runs):
+        if not runs[label]:
+            parser.error(f"{path} holds no evaluation yet (no success_depth_<k> record)")
+    panels = panels_of(runs)
     depth = max(int(key.rsplit("_", 1)[1]) for records in runs.values() for key in records[0]
-                if key.startswith("eval/train/success_depth_"))
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+                if any(key.startswith(prefix) for prefix in panels.values()))
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 0.5 * (len(panels) == 1), 4),
+                                sharey=True, squeeze=False)
+    axes = axes[0]
     styles = ["-", "--", ":", "-."]
     depths = cli.depths or range(1, depth + 1)
     one_depth = len(depths) == 1  # then colour tells the runs apart, not the depths
     colours = plt.cm.viridis([k / max(1, depth - 1) for k in range(depth)])
-    for axis, split in zip(axes, ["train", "unseen"]):
+    for axis, (split, prefix) in zip(axes, panels.items()):
         for run, ((label, records), style) in enumerate(zip(runs.items(), itertools.cycle(styles))):
             x = [r["global_step"] / 1e6 if cli.env_steps else r["global_step"] * cli.updates_per_step / 1000
                  for r in records]
             for k in depths:
                 labelled = one_depth or cli.depths or k in (depth - 1, depth)  # default: label the top two
-                axis.plot(x, [r[f"eval/{split}/success_depth_{k}"] for r in records], style, marker="o",
+                axis.plot(x, [r[f"{prefix}{k}"] for r in records], style, marker="o",
                           markersize=3, color=plt.cm.tab10(run % 10) if one_depth else colours[k - 1],
                           label=f"{label}, depth {k}" if labelled else None)
         if cli.paper:
             axis.axhline(cli.paper[split == "unseen"], color="black", linestyle="--", linewidth=1,
-                         label="paper, full depth" if split == "unseen" else None)
+                         label="paper, full depth" if axis is axes[-1] else None)
         axis.set_xlabel("env steps (millions)" if cli.env_steps else "updates (thousands)")
         axis.set_title(f"{split} tasks")
         axis.grid(alpha=0.3)
     axes[0].set_ylabel(f"success ({cli.episodes} episodes)")
     # Below the axes, not inside one: long runs fill every corner of the unseen panel.
-    handles, labels = axes[1].get_legend_handles_labels()
+    handles, labels = axes[-1].get_legend_handles_labels()
     legend_rows = math.ceil(len(labels) / 3)
     figure.set_figheight(4 + 0.2 * legend_rows)
     figure.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)

@@ -1,4 +1,5 @@
-"""bench/plot_parity.py: every run is drawn however many are given, and a run's cut last line is skipped.
+"""bench/plot_parity.py: every run is drawn however many are given, and a run's cut last line is skipped; GC-IQL's
+runs (no splits) in one panel.
 bench/seed_table.py: the mean and sample std over seeds of eval_adaptive.py results, runs of one seed joined, and
 each seed's mean depth at matched success; its figure of the same means.
 bench/plot_flexloop_length.py: the seed means of depth and success at each FlexLoop length, and a clear refusal."""
@@ -76,6 +77,34 @@ def test_plot_parity_draws_only_the_depths_asked_for_one_colour_per_run(tmp_path
     assert [list(line.get_ydata()) for line in train.lines] == [[0.3, 0.6], [0.6, 0.6]]  # depth 3 of each run
     assert train.lines[0].get_color() != train.lines[1].get_color()
     plt.close("all")
+
+
+def test_plot_parity_draws_gciql_runs_in_one_panel_and_refuses_mismatched_labels(tmp_path, monkeypatch):
+    """GC-IQL logs one success per depth over the dataset's tasks, no splits: one panel, every run and depth."""
+    import matplotlib.pyplot as plt
+    plot_parity = load_bench("plot_parity")
+    paths = [tmp_path / f"iql{run}.jsonl" for run in range(2)]
+    for run, path in enumerate(paths):
+        with open(path, "w") as f:
+            for step in (100_000, 200_000):
+                f.write(json.dumps({"global_step": step, "losses/critic_loss": 1.0}) + "\n")
+                f.write(json.dumps({"global_step": step, "phase": "pretrain", "eval/task_1/success_depth_2": 1.0,
+                                    **{f"eval/success_depth_{k}": 0.1 * k + run * step / 1e6 for k in (1, 2)}})
+                        + "\n")
+    saved = {}
+    monkeypatch.setattr(plt.Figure, "savefig", lambda figure, out, **kwargs: saved.update(figure=figure, out=out))
+    monkeypatch.setattr(sys, "argv", ["plot_parity.py", "--runs", *map(str, paths), "--labels", "TF32", "bf16",
+                                      "--updates-per-step", "1", "--out", str(tmp_path / "iql.png")])
+    plot_parity.main()
+    (panel,) = saved["figure"].axes
+    assert panel.get_title() == "all tasks"
+    assert [list(line.get_xdata()) for line in panel.lines] == [[100.0, 200.0]] * 4  # thousands of updates
+    assert list(panel.lines[3].get_ydata()) == pytest.approx([0.3, 0.4])  # bf16, depth 2
+    plt.close("all")
+    monkeypatch.setattr(sys, "argv", ["plot_parity.py", "--runs", *map(str, paths), "--labels", "TF32",
+                                      "--out", str(tmp_path / "iql.png")])
+    with pytest.raises(SystemExit):
+        plot_parity.main()
 
 
 def write_eval_adaptive_results(path, labels, full_depth_success, mean_depth, adaptive_success=None, eval_seed=1):
