@@ -148,7 +148,8 @@ class FlexLoopArgs:
     depth_target: Literal["adjacent", "final"] = "adjacent"
     """adjacent: KL(sg[pi_{k+1}] || pi_k) (FlexLoop); final: every depth distilled from depth K, KL(sg[pi_K] || pi_k)"""
     init_checkpoint: Optional[str] = None
-    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining)"""
+    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining); a {seed} in the path
+    becomes --seed, so one sweep value serves every seed"""
     lambda_depth: float = 1.0
     """weight of the adjacent-depth KL (0 = plain IRU-K training)"""
     policy_temperature: float = 0.25
@@ -159,7 +160,8 @@ class FlexLoopArgs:
     depth, averaged. Self-TD Only is --lambda-depth 0. Pretraining is never changed"""
     teacher_checkpoint: Optional[str] = None
     """FlexLoop from scratch (appendix C.1): fresh weights, no pretraining; this frozen GC-DQN checkpoint is only
-    queried, for the depth-K TD target r + gamma * max_a' Q_teacher(s', g, a'), and its weights are never copied"""
+    queried, for the depth-K TD target r + gamma * max_a' Q_teacher(s', g, a'), and its weights are never copied
+    ({seed} in the path: as --init-checkpoint)"""
     bellman_weight: float = 0.1
     """with --teacher-checkpoint: weight of the inter-depth Bellman loss on depths 1..K-2 (appendix C.1)"""
 

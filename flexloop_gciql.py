@@ -130,7 +130,8 @@ class FlexLoopArgs:
     depth_target: Literal["adjacent", "final"] = "adjacent"
     """adjacent: D~(sg[pi_{k+1}] || pi_k) (FlexLoop); final: every depth distilled from depth K, D~(sg[pi_K] || pi_k)"""
     init_checkpoint: Optional[str] = None
-    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining)"""
+    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining); a {seed} in the path
+    becomes --seed, so one sweep value serves every seed"""
     lambda_depth: Optional[float] = None
     """weight of the adjacent-depth normalised KL on the actor (default: the dataset's; 0 = plain IRU-K training)"""
 

@@ -158,7 +158,8 @@ class FlexLoopArgs:
     depth_target: Literal["adjacent", "final"] = "adjacent"
     """adjacent: KL(sg[pi_{k+1}] || pi_k) (FlexLoop); final: every depth distilled from depth K, KL(sg[pi_K] || pi_k)"""
     init_checkpoint: Optional[str] = None
-    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining)"""
+    """start FlexLoop post-training from this pretrained IRU-K checkpoint (skips pretraining); a {seed} in the path
+    becomes --seed, so one sweep value serves every seed"""
     lambda_depth: float = 0.05
     """weight of the adjacent-depth KL on the minibatch states (0 = plain IRU-K training)"""
     teacher_value_targets: bool = True

@@ -151,6 +151,17 @@ def resumed_args(script, checkpoint, given):
     return replace(args_from_checkpoint(script.Args, checkpoint, given.resume), **overrides)
 
 
+SEEDED_PATH_FLAGS = ("init_checkpoint", "teacher_checkpoint")  # where "{seed}" stands for --seed
+
+
+def with_seed_in_paths(args):
+    """args with "{seed}" in a checkpoint flag's path replaced by the run's seed: a W&B sweep over seeds can then
+    start each seed from its own pretrained checkpoint with one value. The run records the path it read."""
+    seeded = {name: getattr(args, name).replace("{seed}", str(args.seed)) for name in SEEDED_PATH_FLAGS
+              if isinstance(getattr(args, name, None), str) and "{seed}" in getattr(args, name)}
+    return replace(args, **seeded)
+
+
 def check_compatible(script, init, args):
     """An --init-checkpoint must match this run's env and network shape (the script's NETWORK_FLAGS)."""
     theirs = args_from_checkpoint(script.Args, init, "--init-checkpoint")
@@ -532,7 +543,7 @@ class Run:
         if args.save_every_minutes < 0:
             raise ValueError(f"--save-every-minutes must be >= 0 (0: never), got {args.save_every_minutes}")
         self.checkpoint = load_checkpoint(args.resume, script.ALGORITHM) if args.resume else None
-        self.args = args = resumed_args(script, self.checkpoint, args) if self.checkpoint else args
+        self.args = args = with_seed_in_paths(resumed_args(script, self.checkpoint, args) if self.checkpoint else args)
         self.init = None
         if args.init_checkpoint and self.checkpoint is None:
             self.init = load_checkpoint(args.init_checkpoint, script.ALGORITHM)

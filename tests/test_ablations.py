@@ -426,6 +426,10 @@ def test_sweep_file_parses_and_names_real_flags(path):
         args = tyro.cli(script.Args, args=fixed + [f"--{name}={value}" for name, value in point.items()])
         assert {name: getattr(args, name) for name in point} == point
         script.check_args(args)
+        # a sweep that post-trains shared checkpoints names committed ones, one per seed ({seed} in the path)
+        init = flexloop_run.with_seed_in_paths(args).init_checkpoint
+        if init is not None:
+            assert (ROOT / init).is_file(), f"{path.name}: seed {args.seed} starts from {init}, which is not committed"
 
 
 # ----- the lambda = 0 update: gradient at the taken action only -----

@@ -379,6 +379,16 @@ def test_init_checkpoint_starts_post_training_from_pretrained_weights(tmp_path):
                                      updates_per_rollout=0 + 1, num_epochs=1))
     records = read_metrics(post_dir)
     assert {r["phase"] for r in records} == {"flexloop"}  # no second pretraining
+    # "{seed}" in the path is the run's seed (one sweep value for every seed); the run records the path it read
+    seeded = tmp_path / "seed7" / "final.pt"
+    seeded.parent.mkdir()
+    seeded.write_bytes((pre_dir / "final.pt").read_bytes())
+    seeded_dir = gcdqn.train(tiny_args(tmp_path / "seeded", init_checkpoint=str(tmp_path / "seed{seed}" / "final.pt"),
+                                       seed=7, updates_per_rollout=1, num_epochs=1))
+    assert flexloop_run.load_checkpoint(seeded_dir / "final.pt")["args"]["init_checkpoint"] == str(seeded)
+    with pytest.raises(FileNotFoundError, match="seed8"):  # the error names the path it looked for
+        gcdqn.train(tiny_args(tmp_path / "seed8", init_checkpoint=str(tmp_path / "seed{seed}" / "final.pt"),
+                              seed=8, updates_per_rollout=1, num_epochs=1))
     with pytest.raises(ValueError, match="--hidden-dim"):
         gcdqn.train(tiny_args(tmp_path / "bad", init_checkpoint=str(pre_dir / "final.pt"), hidden_dim=32))
 
