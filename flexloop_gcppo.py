@@ -347,13 +347,15 @@ class IRUNetwork(nn.Module):
         return self.critic(self.readout(state)).squeeze(-1)
 
     def all_depths(self, obs, goal):
+        """The heads at every depth: logits (K, B, A) and values (K, B). They read the K states stacked, so each
+        head is one matmul over all depths (forward and backward) instead of K small ones."""
         state = self.start(obs, goal)
-        logits, values = [], []
+        states = []
         for _ in range(self.depth):
             state = self.advance(state)
-            logits.append(self.decide(state))
-            values.append(self.value(state))
-        return torch.stack(logits), torch.stack(values)  # (K, B, A), (K, B)
+            states.append(state)
+        stacked = tuple(torch.stack(part) for part in zip(*states))  # (x_emb, c, h), each (K, B, hidden)
+        return self.decide(stacked), self.value(stacked)
 
     def state_after(self, obs, goal, depth):
         """The recurrent state after `depth` steps, without reading the heads on the way."""
