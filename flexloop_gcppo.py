@@ -742,8 +742,9 @@ def train(args: Args):
     # The teacher of the FlexLoop phase's value targets: the --init-checkpoint model, else made at the switch.
     has_teacher = run.init is not None or (run.checkpoint or {}).get("teacher_model") is not None
     teacher = frozen_copy(network) if has_teacher else None  # a resumed run's is loaded into it
-    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, eps=args.adam_eps,
-                                 capturable=device.type == "cuda")
+    on_cuda = device.type == "cuda"  # fused: one multi-tensor Adam kernel; capturable: replayable in a CUDA graph
+    optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, eps=args.adam_eps, capturable=on_cuda,
+                                 fused=on_cuda)
     buffers = make_rollout_buffers(args.num_steps, args.num_envs, device)
     batch_size = args.num_envs * args.num_steps
     minibatch_index = torch.zeros(batch_size // args.num_minibatches, dtype=torch.long, device=device)
