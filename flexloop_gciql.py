@@ -166,8 +166,8 @@ class PerformanceArgs:
     to learn as well, so off by default)"""
     cuda_streams: bool = True
     """GPU: run the value, critic and actor losses (forward and backward) on three CUDA streams, so that their small
-    kernels overlap: the same arithmetic, 1.46x the updates on an H200 (docs/benchmarks.md). Ignored on CPU;
-    --no-cuda-streams runs them on one stream"""
+    kernels overlap, and sample the next update's batch on a fourth: the same arithmetic, 1.46x the updates on an
+    H200 (docs/benchmarks.md). Ignored on CPU; --no-cuda-streams runs it all on one stream"""
 
 
 @dataclass
@@ -586,16 +586,32 @@ def on_cuda_streams(branches, device):
 
 
 def make_update(args, network, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
-                losses=flexloop_losses):
+                losses=flexloop_losses, prefetch=False):
     """One update: sample a batch, the losses of `flexloop_losses`, Adam, Polyak averaging of the target critic.
     No host sync, fixed shapes: it can be captured in a CUDA graph. lambda_depth is a 0-d tensor, so one captured
     graph serves both phases; the loss parts add to loss_sums. With --bf16 the losses' network passes run under
     bf16 autocast; the backward pass runs outside it, as torch.autocast advises. `losses` is flexloop_losses,
-    compiled or not, or `on_cuda_streams` (the update around it is captured, not compiled)."""
+    compiled or not, or `on_cuda_streams` (the update around it is captured, not compiled).
+
+    prefetch: each update trains on the batch sampled during the previous one and samples the next, on a CUDA
+    stream of its own on a GPU, so that the sampler's few dozen small kernels run beside the losses instead of
+    before them. The batches are the same, drawn in the same order from the same generator, one update early."""
     critic_params, target_params = list(network.critic.parameters()), list(target_critic.parameters())
+    sampler_stream = torch.cuda.Stream(dataset.device) if prefetch and dataset.device.type == "cuda" else None
+    ready = {}  # prefetch: the batch the next update trains on, in the same buffers every time
+
+    def sample_next():
+        if sampler_stream is None:
+            return dataset.sample(args.batch_size, generator)
+        sampler_stream.wait_stream(torch.cuda.current_stream())  # joins a graph capture; orders eager calls
+        with torch.cuda.stream(sampler_stream):
+            return dataset.sample(args.batch_size, generator)
 
     def update():
-        batch = dataset.sample(args.batch_size, generator)
+        if prefetch and not ready:  # the first call (a capture's warm-up): after --resume restored the generator
+            ready.update(dataset.sample(args.batch_size, generator))
+        batch = ready if prefetch else dataset.sample(args.batch_size, generator)
+        upcoming = sample_next() if prefetch else None
         with torch.autocast(batch["observations"].device.type, torch.bfloat16, enabled=args.bf16):
             loss, terms = losses(network, target_critic, batch, args, lambda_depth)
         optimizer.zero_grad(set_to_none=False)
@@ -604,6 +620,12 @@ def make_update(args, network, target_critic, optimizer, dataset, generator, lam
         with torch.no_grad():
             torch._foreach_lerp_(target_params, critic_params, args.tau)
             loss_sums.add_(torch.stack([terms[name] for name in LOSS_NAMES]).detach())
+            if prefetch:  # the next batch into the buffers the next update reads (after this backward read them)
+                if sampler_stream is not None:
+                    torch.cuda.current_stream().wait_stream(sampler_stream)
+                    for tensor in upcoming.values():
+                        tensor.record_stream(torch.cuda.current_stream())
+                torch._foreach_copy_(list(ready.values()), list(upcoming.values()))
 
     return update
 
@@ -759,7 +781,7 @@ def train(args: Args):
     else:
         losses = run.compiled(flexloop_losses)
     update = make_update(args, network, target_critic, optimizer, dataset, generators["sample"], lambda_depth,
-                         loss_sums, losses=losses)
+                         loss_sums, losses=losses, prefetch=args.cuda_streams and on_cuda)
 
     # Phases: IRU-K pretraining (lambda = 0) unless a pretrained network was given, then FlexLoop. An iteration
     # is one update. From the flags, not run.init: a resumed run started from one has none.

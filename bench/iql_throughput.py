@@ -9,7 +9,8 @@ MuJoCo envs on the CPU, side by side, acting with an untrained actor at every de
 Update modes: eager (plain PyTorch), graph (one update captured in a CUDA graph), compile-graph (the losses
 torch.compile'd, then captured: flexloop_gciql.py --no-cuda-streams), compile-update-graph (the whole update
 compiled, then captured), streams-graph and compile-streams-graph (the value, critic and actor losses on three
-CUDA streams, each branch compiled or not, then captured; the second is what flexloop_gciql.py does on GPU). The
+CUDA streams, each branch compiled or not, and the next batch sampled on a fourth unless --no-prefetch, then
+captured; the second is what flexloop_gciql.py does on GPU). The
 goal is 1M updates in 30 min, about 560 updates/s. Prints one JSON line per measurement. The untrained actor
 rarely reaches a goal, so its episodes run to the time limit: the slowest case.
 """
@@ -48,7 +49,7 @@ def synthetic_dataset(env_name, states, trajectory_length, device):
                                   actor_geom_sample=spec.actor_geom_sample)
 
 
-def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False):
+def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False, prefetch=True):
     torch.manual_seed(0)
     agent = gciql.build_network(args, device)
     target_critic = gciql.build_network(args, device).critic
@@ -59,13 +60,15 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
     generator = torch.Generator(device).manual_seed(0)
     lambda_depth = torch.full((), lam, device=device)
     loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device=device)
-    if mode in ("streams-graph", "compile-streams-graph"):  # --cuda-streams: the three loss branches side by side
+    streams = mode in ("streams-graph", "compile-streams-graph")  # --cuda-streams: the loss branches side by side
+    if streams:
         branches = [torch.compile(branch) if mode.startswith("compile") else branch for branch in gciql.LOSS_BRANCHES]
         losses = gciql.on_cuda_streams(branches, device)
     else:
         losses = torch.compile(gciql.flexloop_losses) if mode == "compile-graph" else gciql.flexloop_losses
+    prefetch = streams and prefetch  # as train() runs it: the next batch sampled on a stream of its own
     update = gciql.make_update(args, agent, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
-                               losses=losses)
+                               losses=losses, prefetch=prefetch)
     if mode == "compile-update-graph":
         update = torch.compile(update)
     if mode.endswith("graph"):
@@ -81,7 +84,7 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
     sync(device)
     elapsed = time.perf_counter() - start
     means = (loss_sums / num_updates).tolist()
-    result = {"what": "updates", "mode": mode, "lambda_depth": lam,
+    result = {"what": "updates", "mode": mode, "prefetch": prefetch, "lambda_depth": lam,
               "updates_per_second": round(num_updates / elapsed, 1),
               "minutes_per_1M_updates": round(1e6 * elapsed / num_updates / 60, 1),
               "critic_loss": round(means[1], 5), "depth_kl": round(means[3], 5)}
@@ -129,6 +132,8 @@ if __name__ == "__main__":
     parser.add_argument("--eval-async", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--bf16", action="store_true", help="the updates' network passes under bf16 autocast")
     parser.add_argument("--profile", action="store_true", help="also report the 8 largest GPU kernels per measurement")
+    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                        help="streams modes: sample the next batch on a stream of its own, as train() does")
     cli = parser.parse_args()
     device = torch.device(cli.device)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -144,9 +149,9 @@ if __name__ == "__main__":
     for mode in modes:
         for lam in (0.0, args.lambda_depth):
             try:
-                result = measure_updates(args, dataset, device, mode, lam, cli.updates, cli.profile)
+                result = measure_updates(args, dataset, device, mode, lam, cli.updates, cli.profile, cli.prefetch)
             except Exception as error:  # report and go on to the next mode
-                result = {"what": "updates", "mode": mode, "lambda_depth": lam, "error": repr(error)[:400]}
+                result = {"what": "updates", "mode": mode, "prefetch": prefetch, "lambda_depth": lam, "error": repr(error)[:400]}
             print(json.dumps({**result, **common}), flush=True)
     if cli.eval_episodes > 0:
         result = measure_evaluation(args, device, cli.eval_episodes, cli.eval_envs, cli.eval_async)

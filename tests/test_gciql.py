@@ -339,6 +339,52 @@ def test_cuda_streams_flag_is_ignored_on_cpu(data_dir, tmp_path):
     assert (Path(gciql.train(args)) / "final.pt").exists()
 
 
+def train_updates(args, dataset, device, updates=3, captured=False, **update_kwargs):
+    """The weights and loss sums after `updates` calls of make_update's update from seed 0 (captured: `updates`
+    replays of its CUDA graph, after the capture's warm-up updates)."""
+    torch.manual_seed(0)
+    agent = gciql.build_network(args, device)
+    target_critic = copy.deepcopy(agent.critic).requires_grad_(False)
+    on_cuda = device.type == "cuda"
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, capturable=on_cuda, fused=on_cuda)
+    generator = torch.Generator(device).manual_seed(0)
+    loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device=device)
+    update = gciql.make_update(args, agent, target_critic, optimizer, dataset, generator,
+                               torch.tensor(0.3, device=device), loss_sums, **update_kwargs)
+    if captured:
+        update = flexloop_run.capture_cuda_graph(update, [generator])
+    for _ in range(updates):
+        update()
+    return [p.detach().clone() for p in agent.parameters()], loss_sums.clone()
+
+
+def test_prefetched_batches_train_as_batches_sampled_in_place(data_dir):
+    """prefetch: each update trains on the batch drawn during the one before. The draws come in the same order
+    from the same generator, so the weights and loss sums are those of sampling in place."""
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", depth=3, hidden_dim=16))
+    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False)
+    (weights, sums), (prefetched_weights, prefetched_sums) = [
+        train_updates(args, dataset, torch.device("cpu"), prefetch=prefetch) for prefetch in (False, True)]
+    assert torch.equal(prefetched_sums, sums) and (sums != 0).all()
+    for got, expected in zip(prefetched_weights, weights):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams need a GPU")
+def test_prefetch_on_its_cuda_stream_trains_as_sampling_in_place(data_dir):
+    """On a GPU the next batch is sampled on a stream of its own inside the captured update (what train() runs
+    with --cuda-streams): the same weights and loss sums as sampling in place, one stream, captured."""
+    device = torch.device("cuda")
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", depth=3, hidden_dim=32, cuda=True))
+    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False, device=device)
+    in_place = train_updates(args, dataset, device, captured=True)
+    streams = train_updates(args, dataset, device, captured=True, prefetch=True,
+                            losses=gciql.on_cuda_streams(gciql.LOSS_BRANCHES, device))
+    torch.testing.assert_close(streams[1], in_place[1])
+    for got, expected in zip(streams[0], in_place[0]):
+        torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams need a GPU")
 def test_loss_branches_on_cuda_streams_train_as_on_one_stream(data_dir):
     """--cuda-streams: the value, critic and actor branches on three streams, the update captured in a CUDA
@@ -346,21 +392,9 @@ def test_loss_branches_on_cuda_streams_train_as_on_one_stream(data_dir):
     device = torch.device("cuda")
     args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", depth=3, hidden_dim=32, cuda=True))
     dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False, device=device)
-    results = []
-    for losses in (gciql.flexloop_losses, gciql.on_cuda_streams(gciql.LOSS_BRANCHES, device)):
-        torch.manual_seed(0)
-        agent = gciql.build_network(args, device)
-        target_critic = copy.deepcopy(agent.critic).requires_grad_(False)
-        optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, capturable=True, fused=True)
-        generator = torch.Generator(device).manual_seed(0)
-        loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device=device)
-        update = gciql.make_update(args, agent, target_critic, optimizer, dataset, generator,
-                                   torch.tensor(0.3, device=device), loss_sums, losses=losses)
-        graphed = flexloop_run.capture_cuda_graph(update, [generator])
-        for _ in range(3):
-            graphed()
-        results.append(([p.detach().clone() for p in agent.parameters()], loss_sums.clone()))
-    (weights, sums), (stream_weights, stream_sums) = results
+    weights, sums = train_updates(args, dataset, device, captured=True)
+    stream_weights, stream_sums = train_updates(args, dataset, device, captured=True,
+                                                losses=gciql.on_cuda_streams(gciql.LOSS_BRANCHES, device))
     torch.testing.assert_close(stream_sums, sums)
     for got, expected in zip(stream_weights, weights):
         torch.testing.assert_close(got, expected)
