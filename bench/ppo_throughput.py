@@ -44,7 +44,7 @@ def timed_train(args):
     return time.perf_counter() - start
 
 
-def time_rollout_and_eval(args, device, graphed, profile=False, profile_top=8):
+def time_rollout_and_eval(args, device, graphed, profile=False, profile_top=8, compile_mode=None):
     network = gcppo.build_network(args, device)
     env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=0, check_actions=False).unwrapped
     eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, split=split,
@@ -69,7 +69,8 @@ def time_rollout_and_eval(args, device, graphed, profile=False, profile_top=8):
         sync(device)
         times[name] = time.perf_counter() - start
     if profile and device.type == "cuda":
-        times["profile"] = profile_rollout_and_update(args, device, network, buffers, rollout, profile_top)
+        times["profile"] = profile_rollout_and_update(args, device, network, buffers, rollout, profile_top,
+                                                      compile_mode)
     return times
 
 
@@ -78,9 +79,10 @@ def gpu_time(largest):
     return round(largest[0]["us_per_update"] / largest[0]["share"], 1) if largest and largest[0]["share"] else None
 
 
-def profile_rollout_and_update(args, device, network, buffers, rollout, top=8):
+def profile_rollout_and_update(args, device, network, buffers, rollout, top=8, compile_mode=None):
     """Kernels of the replayed rollout (per env step) and of one FlexLoop minibatch update (lambda > 0: the KL at
-    every depth), compiled and captured as train() runs it, on the rollout's data; the update's `top` kernels."""
+    every depth), compiled and captured as train() runs it, on the rollout's data; the update's `top` kernels.
+    compile_mode: torch.compile's mode for the profiled update (train() uses the default)."""
     largest, kernels = profile_kernels(rollout, device, updates=2, top=5)
     result = {"rollout_kernels_per_step": round(kernels / args.num_steps, 1),
               "rollout_us_per_step": round(gpu_time(largest) / args.num_steps, 1) if gpu_time(largest) else None,
@@ -93,7 +95,7 @@ def profile_rollout_and_update(args, device, network, buffers, rollout, top=8):
     loss_sums = torch.zeros(len(gcppo.LOSS_NAMES), device=device)
     update = gcppo.make_update(args, network, optimizer, buffers, minibatch_index, torch.ones((), device=device),
                                loss_sums)
-    update = flexloop_run.capture_cuda_graph(torch.compile(update) if args.compile else update, [])
+    update = flexloop_run.capture_cuda_graph(torch.compile(update, mode=compile_mode) if args.compile else update, [])
     largest, kernels = profile_kernels(update, device, updates=20, top=top)
     return {**result, "update_kernels": kernels, "update_us": gpu_time(largest), "update_largest": largest}
 
@@ -111,6 +113,8 @@ if __name__ == "__main__":
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=gcppo.Args.cuda_graph)
     parser.add_argument("--profile", action="store_true", help="also the kernels of a rollout step and of an update")
     parser.add_argument("--profile-top", type=int, default=8, help="how many of the update's largest kernels to list")
+    parser.add_argument("--profile-compile-mode", default=None, help="torch.compile mode of the profiled update, "
+                        "e.g. max-autotune-no-cudagraphs (Triton GEMMs with fused epilogues); train() uses the default")
     cli = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() and not cli.cpu else "cpu")
@@ -128,7 +132,7 @@ if __name__ == "__main__":
         short = timed_train(args_for(cli.warmup))
         long = timed_train(args_for(cli.warmup + cli.iterations))
         parts = time_rollout_and_eval(args_for(1), device, graphed=cli.cuda_graph and on_gpu, profile=cli.profile,
-                                      profile_top=cli.profile_top)
+                                      profile_top=cli.profile_top, compile_mode=cli.profile_compile_mode)
     steps = 2 * cli.iterations * batch
     steps_per_second = steps / (long - short)
     print(json.dumps({
