@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,7 @@ def synthetic_dataset(env_name, states, trajectory_length, device):
                                   actor_geom_sample=spec.actor_geom_sample)
 
 
-def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False, prefetch=True):
+def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False, prefetch=True, compile_mode=None):
     torch.manual_seed(0)
     agent = gciql.build_network(args, device)
     target_critic = gciql.build_network(args, device).critic
@@ -62,15 +63,17 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
     loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device=device)
     streams = mode in ("streams-graph", "compile-streams-graph")  # --cuda-streams: the loss branches side by side
     if streams:
-        branches = [torch.compile(branch) if mode.startswith("compile") else branch for branch in gciql.LOSS_BRANCHES]
+        compiled = partial(torch.compile, mode=compile_mode)
+        branches = [compiled(branch) if mode.startswith("compile") else branch for branch in gciql.LOSS_BRANCHES]
         losses = gciql.on_cuda_streams(branches, device)
     else:
-        losses = torch.compile(gciql.flexloop_losses) if mode == "compile-graph" else gciql.flexloop_losses
+        losses = torch.compile(gciql.flexloop_losses, mode=compile_mode) if mode == "compile-graph" else \
+            gciql.flexloop_losses
     prefetch = streams and prefetch  # as train() runs it: the next batch sampled on a stream of its own
     update = gciql.make_update(args, agent, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
                                losses=losses, prefetch=prefetch)
     if mode == "compile-update-graph":
-        update = torch.compile(update)
+        update = torch.compile(update, mode=compile_mode)
     if mode.endswith("graph"):
         update = flexloop_run.capture_cuda_graph(update, [generator])
     else:
@@ -84,7 +87,8 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
     sync(device)
     elapsed = time.perf_counter() - start
     means = (loss_sums / num_updates).tolist()
-    result = {"what": "updates", "mode": mode, "prefetch": prefetch, "lambda_depth": lam,
+    result = {"what": "updates", "mode": mode, "prefetch": prefetch, "compile_mode": compile_mode,
+              "lambda_depth": lam,
               "updates_per_second": round(num_updates / elapsed, 1),
               "minutes_per_1M_updates": round(1e6 * elapsed / num_updates / 60, 1),
               "critic_loss": round(means[1], 5), "depth_kl": round(means[3], 5)}
@@ -134,6 +138,8 @@ if __name__ == "__main__":
     parser.add_argument("--profile", action="store_true", help="also report the 8 largest GPU kernels per measurement")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="streams modes: sample the next batch on a stream of its own, as train() does")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile's mode in the compile modes, e.g. "
+                        "max-autotune-no-cudagraphs (Triton GEMMs with fused epilogues); train() uses the default")
     cli = parser.parse_args()
     device = torch.device(cli.device)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -149,9 +155,10 @@ if __name__ == "__main__":
     for mode in modes:
         for lam in (0.0, args.lambda_depth):
             try:
-                result = measure_updates(args, dataset, device, mode, lam, cli.updates, cli.profile, cli.prefetch)
+                result = measure_updates(args, dataset, device, mode, lam, cli.updates, cli.profile, cli.prefetch,
+                                         cli.compile_mode)
             except Exception as error:  # report and go on to the next mode
-                result = {"what": "updates", "mode": mode, "prefetch": prefetch, "lambda_depth": lam, "error": repr(error)[:400]}
+                result = {"what": "updates", "mode": mode, "lambda_depth": lam, "error": repr(error)[:400]}
             print(json.dumps({**result, **common}), flush=True)
     if cli.eval_episodes > 0:
         result = measure_evaluation(args, device, cli.eval_episodes, cli.eval_envs, cli.eval_async)

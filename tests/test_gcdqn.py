@@ -191,7 +191,7 @@ def test_future_offsets_are_geometric_in_0_99():
                torch.full((1024,), 1000))
     replay.lengths[:] = 1000
     generator = torch.Generator().manual_seed(1)
-    offsets, horizons = [], []
+    offsets = []
     for _ in range(40):
         b = replay.sample(1024, generator)
         keep = b["t"] < 300  # at least 700 steps left: truncation changes little

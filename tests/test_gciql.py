@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("ogbench")
 import flexloop_gciql as gciql  # noqa: E402
