@@ -8,7 +8,7 @@ import envs
 from envs import boxpick as bp
 from envs.boxpick import (AGENT, AGENT_CARRYING_BOX, AGENT_ON_BOX, AGENT_ON_BOX_CARRYING_BOX, AGENT_ON_TARGET,
                           AGENT_ON_TARGET_CARRYING_BOX, AGENT_ON_TARGET_WITH_BOX,
-                          AGENT_ON_TARGET_WITH_BOX_CARRYING_BOX, BOX, BOX_ON_TARGET, DOWN, EMPTY, LEFT, PICK_UP,
+                          AGENT_ON_TARGET_WITH_BOX_CARRYING_BOX, BOX, BOX_ON_TARGET, DOWN, LEFT, PICK_UP,
                           PUT_DOWN, RIGHT, TARGET, UP, BoxPickVecEnv)
 
 

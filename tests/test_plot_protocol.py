@@ -34,8 +34,8 @@ def variant_files(tmp_path, env_id, flexloop_success):
     adaptive = {"train": [(1.0, 5.0), (flexloop_success, 4.0), (0.5, 3.0)],
                 "unseen": [(0.8, 5.0), (0.79, 4.5), (0.7, 3.5)]}
     return [write(tmp_path, f"{env_id}-{seed}", [
-        entry(f"IRU-5-5M", env_id, {"train": 0.9, "unseen": 0.6}, adaptive),
-        entry(f"FlexLoop-5M+1M", env_id, {"train": 1.0, "unseen": 0.8}, adaptive)]) for seed in (1, 2)]
+        entry("IRU-5-5M", env_id, {"train": 0.9, "unseen": 0.6}, adaptive),
+        entry("FlexLoop-5M+1M", env_id, {"train": 1.0, "unseen": 0.8}, adaptive)]) for seed in (1, 2)]
 
 
 def test_table4_reads_the_train_calibrated_point_and_averages_seeds(tmp_path):
