@@ -394,15 +394,18 @@ class IRUActor(nn.Module):
 
     def decide(self, state):
         mean = self.iru.output(state)[0]
-        return torch.stack([mean, torch.full_like(mean, self.std)], 1)
+        return torch.stack([mean, torch.full_like(mean, self.std)], -2)
 
     def all_depths(self, obs, goal):
+        """The policies of depths 1..K, (K, rows, 2, A). The head reads the K states stacked, so it is one matmul
+        over all depths (forward and backward) instead of K small ones."""
         state = self.start(obs, goal)
-        policies = []
+        states = []
         for _ in range(self.depth):
             state = self.advance(state)
-            policies.append(self.decide(state))
-        return torch.stack(policies)
+            states.append(state)
+        stacked = tuple(torch.stack(part, 1) for part in zip(*states))  # (members, K, rows, hidden) each
+        return self.decide(stacked)
 
     @staticmethod
     def divergence(p, q):
