@@ -7,6 +7,7 @@ tiny Budget, read by reproduce.py from a studies file of the test's, as a user's
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import re
 import signal
@@ -22,12 +23,13 @@ sys.path.insert(0, str(REPO))  # studies.py beside reproduce.py, wherever pytest
 import studies  # noqa: E402
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
+TINY_SIZE = ("--num-envs", "16", "--batch-size", "16", "--updates-per-rollout", "3", "--intervals-per-epoch", "2",
+             "--depth", "3", "--hidden-dim", "16", "--eval-every", "100", "--num-eval-envs", "8", "--log-every", "1",
+             "--save-every", "1", "--episode-length", "10", "--replay-episodes", "4")
 TINY_STUDIES = '''
 import studies
 
-SIZE = ("--num-envs", "16", "--batch-size", "16", "--updates-per-rollout", "3", "--intervals-per-epoch", "2",
-        "--depth", "3", "--hidden-dim", "16", "--eval-every", "100", "--num-eval-envs", "8", "--log-every", "1",
-        "--save-every", "1", "--episode-length", "10", "--replay-episodes", "4")
+SIZE = TINY_SIZE
 BOXPICK = studies.Budget(pretrain=(*SIZE, "--pretrain-epochs", "PRETRAIN_EPOCHS"), post=(*SIZE, "--num-epochs", "2"),
                          eval=("--num-eval-envs", "8", "--eps", "0", "0.1", "--trace-frames", "2"))
 OG_SIZE = ("--depth", "2", "--hidden-dim", "16", "--batch-size", "32", "--log-every", "2", "--save-every", "2",
@@ -37,7 +39,7 @@ OGBENCH = studies.Budget(pretrain=(*OG_SIZE, "--pretrain-steps", "200"), post=(*
                          data=("--episodes", "8", "--episode-steps", "60", "--workers", "1", "--no-progress"))
 STUDIES = {study.name: study for study in [studies.boxpick_main("exact4", BOXPICK, name="tiny-boxpick"),
                                            studies.ogbench("ogbench-pointmaze-large", OGBENCH)]}
-'''
+'''.replace("TINY_SIZE", repr(TINY_SIZE))
 
 
 def reproduce(*args, env=ENV, timeout=1800):
@@ -362,14 +364,29 @@ def test_ogbench_study_survives_ctrl_c_and_completes(tiny):
                                                                 "pointmaze-large-stitch-v0.npz"]
 
 
+def tiny_pretraining_seconds_per_epoch(folder):
+    """This machine's wall clock per epoch of tiny-boxpick's pretraining, start-up excluded (two runs' difference)."""
+    def seconds(epochs):
+        start = time.monotonic()
+        subprocess.run([sys.executable, "iru_pretrain.py", "gcdqn", *TINY_SIZE, "--pretrain-epochs", str(epochs),
+                        "--no-cuda", "--run-dir", str(folder / str(epochs))], cwd=REPO, env=ENV, check=True,
+                       capture_output=True)
+        return time.monotonic() - start
+    return max(seconds(60) - seconds(20), 1e-3) / 40
+
+
 @pytest.mark.slow
 def test_submitit_local_executor_requeues_on_timeout_and_survives_sigterm(tiny, tmp_path):
     """submitit's local executor: the study is stopped with SIGTERM once the pretraining has written latest.pt; the
     next invocation's pretraining job times out (USR2 30 s in: submitit's checkpoint hook stops the run, which
     writes latest.pt, and requeues the job, which resumes) and the study completes; a third prints its table."""
     pytest.importorskip("submitit")
-    # long enough that the signal 30 s in lands mid-run: 400 epochs took only 22 s on a 2-core Xeon (2026-12-02)
-    (tmp_path / "tiny_studies.py").write_text(TINY_STUDIES.replace("PRETRAIN_EPOCHS", "1000"))
+    # Each attempt of a local job gets 30 s before USR2 (--time 2, --signal-delay 90), and submitit's local executor
+    # makes at most 6. So the pretraining should take about 70 s on this machine: the signal lands mid-run, and the
+    # attempts finish it. Its speed differs 3x between 2-core machines (checkpoint writes every iteration), so it
+    # is measured first.
+    epochs = max(200, math.ceil(70 / tiny_pretraining_seconds_per_epoch(tmp_path / "probe")))
+    (tmp_path / "tiny_studies.py").write_text(TINY_STUDIES.replace("PRETRAIN_EPOCHS", str(epochs)))
     args = ["tiny-boxpick", *tiny.flags, "--slurm-local", "--time", "2", "--signal-delay", "90",
             "--slurm-logs", tmp_path / "slurm-logs"]
     pretrain = tiny.runs / "tiny-boxpick" / "pretrain" / "seed1"
