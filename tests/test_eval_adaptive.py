@@ -265,6 +265,18 @@ def test_lightsout_adapter_counts_first_episodes_until_success():
     assert len(results[0]["trace"]["depths"]) == int(min_solution_length(tasks.board[:1], tasks.goal[:1]))
 
 
+def test_ogbench_envs_step_as_the_checkpoints_run_did_unless_told():
+    """--eval-async / --no-eval-async choose how OGBench's envs step (subprocesses or one process); by default as
+    the checkpoint's own run stepped them."""
+    import flexloop_gciql as gciql
+    for run_async in (True, False):
+        train_args = gciql.Args(env_name="pointmaze-large-stitch-v0", eval_async=run_async)
+        for given, expected in ((None, run_async), (True, True), (False, False)):
+            adapter = ea.OGBenchAdapter(gciql, None, train_args, "pointmaze-large-stitch-v0",
+                                        ea.Args(eval_async=given), "cpu")
+            assert adapter.async_envs is expected
+
+
 # ----- bad inputs -----
 
 @pytest.mark.parametrize("overrides, message", [
