@@ -114,9 +114,9 @@ class EvaluationArgs:
     """BoxPick: rendered grids in the depth-trace strip (the first steps of one episode)"""
     skip_eval: bool = False
     """run only the wall-clock stress test (needs --stress-eps)"""
-    eval_async: Optional[bool] = None
-    """OGBench: step the episodes' MuJoCo envs in subprocesses (default: as the checkpoint's run did). On a 2-core
-    CPU one process is 1.58x faster (--no-eval-async, docs/benchmarks.md)"""
+    eval_async: bool = True
+    """OGBench: step the episodes' MuJoCo envs in subprocesses; on a 2-core CPU one process (--no-eval-async) is
+    1.58x faster (docs/benchmarks.md)"""
 
 
 @dataclass
@@ -435,7 +435,7 @@ class OGBenchAdapter:
         self.spec = get_spec(env_id)
         self.episodes = args.num_eval_envs or getattr(train_args, "eval_episodes", 50)
         self.num_envs = getattr(train_args, "eval_envs", 50)
-        self.async_envs = getattr(train_args, "eval_async", True) if args.eval_async is None else args.eval_async
+        self.async_envs = args.eval_async
         self.seed = args.seed
         self.vector_env = None
 

@@ -13,6 +13,7 @@ import matplotlib
 import numpy as np
 import pytest
 import torch
+import tyro
 
 import envs
 import eval_adaptive as ea
@@ -265,16 +266,14 @@ def test_lightsout_adapter_counts_first_episodes_until_success():
     assert len(results[0]["trace"]["depths"]) == int(min_solution_length(tasks.board[:1], tasks.goal[:1]))
 
 
-def test_ogbench_envs_step_as_the_checkpoints_run_did_unless_told():
-    """--eval-async / --no-eval-async choose how OGBench's envs step (subprocesses or one process); by default as
-    the checkpoint's own run stepped them."""
+def test_ogbench_envs_step_in_subprocesses_unless_told_not_to():
+    """--no-eval-async steps OGBench's envs in one process (faster on a 2-core CPU); subprocesses by default."""
     import flexloop_gciql as gciql
-    for run_async in (True, False):
-        train_args = gciql.Args(env_name="pointmaze-large-stitch-v0", eval_async=run_async)
-        for given, expected in ((None, run_async), (True, True), (False, False)):
-            adapter = ea.OGBenchAdapter(gciql, None, train_args, "pointmaze-large-stitch-v0",
-                                        ea.Args(eval_async=given), "cpu")
-            assert adapter.async_envs is expected
+    train_args = gciql.Args(env_name="pointmaze-large-stitch-v0")
+    for flags, expected in (([], True), (["--no-eval-async"], False)):
+        args = tyro.cli(ea.Args, args=["--checkpoints", "x.pt", *flags])
+        adapter = ea.OGBenchAdapter(gciql, None, train_args, "pointmaze-large-stitch-v0", args, "cpu")
+        assert adapter.async_envs is expected
 
 
 # ----- bad inputs -----
