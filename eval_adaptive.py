@@ -115,8 +115,8 @@ class EvaluationArgs:
     skip_eval: bool = False
     """run only the wall-clock stress test (needs --stress-eps)"""
     eval_async: bool = True
-    """OGBench: step the episodes' MuJoCo envs in subprocesses; on a 2-core CPU one process (--no-eval-async) is
-    1.58x faster (docs/benchmarks.md)"""
+    """OGBench: step the episodes' MuJoCo envs in subprocesses, as the checkpoint's run did unless it ran them in
+    one process; --no-eval-async runs them in one, 1.58x faster on a 2-core CPU (docs/benchmarks.md)"""
 
 
 @dataclass
@@ -435,7 +435,7 @@ class OGBenchAdapter:
         self.spec = get_spec(env_id)
         self.episodes = args.num_eval_envs or getattr(train_args, "eval_episodes", 50)
         self.num_envs = getattr(train_args, "eval_envs", 50)
-        self.async_envs = args.eval_async
+        self.async_envs = args.eval_async and getattr(train_args, "eval_async", True)
         self.seed = args.seed
         self.vector_env = None
 

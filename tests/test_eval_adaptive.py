@@ -266,14 +266,16 @@ def test_lightsout_adapter_counts_first_episodes_until_success():
     assert len(results[0]["trace"]["depths"]) == int(min_solution_length(tasks.board[:1], tasks.goal[:1]))
 
 
-def test_ogbench_envs_step_in_subprocesses_unless_told_not_to():
-    """--no-eval-async steps OGBench's envs in one process (faster on a 2-core CPU); subprocesses by default."""
+def test_ogbench_envs_step_as_the_run_did_unless_told_to_use_one_process():
+    """OGBench's envs step in subprocesses where the checkpoint's run stepped them so, in one process where it did
+    not or where --no-eval-async says so (faster on a 2-core CPU)."""
     import flexloop_gciql as gciql
-    train_args = gciql.Args(env_name="pointmaze-large-stitch-v0")
-    for flags, expected in (([], True), (["--no-eval-async"], False)):
-        args = tyro.cli(ea.Args, args=["--checkpoints", "x.pt", *flags])
-        adapter = ea.OGBenchAdapter(gciql, None, train_args, "pointmaze-large-stitch-v0", args, "cpu")
-        assert adapter.async_envs is expected
+    for run_async in (True, False):
+        train_args = gciql.Args(env_name="pointmaze-large-stitch-v0", eval_async=run_async)
+        for flags, expected in (([], run_async), (["--no-eval-async"], False)):
+            args = tyro.cli(ea.Args, args=["--checkpoints", "x.pt", *flags])
+            adapter = ea.OGBenchAdapter(gciql, None, train_args, "pointmaze-large-stitch-v0", args, "cpu")
+            assert adapter.async_envs is expected
 
 
 # ----- bad inputs -----
