@@ -16,6 +16,7 @@ import argparse
 import itertools
 import json
 import math
+import textwrap
 
 import matplotlib
 
@@ -98,7 +99,8 @@ def main():
     legend_rows = math.ceil(len(labels) / 3)
     figure.set_figheight(4 + 0.2 * legend_rows)
     figure.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
-    figure.suptitle(cli.title or "per-depth success, same seed and protocol (colour: depth, line style: run)")
+    title = cli.title or "per-depth success, same seed and protocol (colour: depth, line style: run)"
+    figure.suptitle(textwrap.fill(title, 60 * len(panels)))  # one panel: two lines, not cut off
     figure.tight_layout(rect=(0, 0.2 * legend_rows / figure.get_figheight() + 0.01, 1, 1))
     figure.savefig(cli.out, dpi=120)
     print(json.dumps({"out": cli.out, "runs": {label: len(records) for label, records in runs.items()}}))
