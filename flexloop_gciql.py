@@ -202,7 +202,7 @@ def resolve_dataset_defaults(args: Args):
 # What the run plumbing (flexloop_run.py) needs to know about this script.
 FLEXLOOP_SCRIPT = "flexloop-script-v1"  # marks a FlexLoop script: eval_adaptive.py imports no other file
 ENV_FLAG = "env_name"  # the flag naming the env: run names, checkpoints and --init-checkpoint checks read it
-# cuda_streams only changes speed (tests/test_gciql.py checks the weights are equal), so a resumed run may switch it
+# cuda_streams changes speed, not the weights (tests/test_gciql.py): a resumed run takes it from the command line
 RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug", "dataset_dir", "dataset_path",
                 "cuda_streams")
 ALGORITHM = "gciql"

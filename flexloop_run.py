@@ -47,7 +47,9 @@ from tqdm.auto import tqdm
 CHECKPOINT_FORMAT = "flexloop-checkpoint-v2"
 CUDA_GRAPH_WARMUP = 3  # eager calls before a capture, as torch.cuda.graphs requires; they do real work
 CPU_HELP = 'README.md, "On a CPU"'
-MACHINE_FLAGS = ("cuda", "require_cuda", "debug")  # a resumed run takes these from the command line
+# A resumed run takes these from the command line, given or not: they say how it runs here, not what it learns
+# (cuda_streams: GC-IQL's CUDA streams, where a script lists it in its RESUME_FLAGS).
+MACHINE_FLAGS = ("cuda", "require_cuda", "debug", "cuda_streams")
 EVALUATOR = Path(__file__).resolve().with_name("eval_adaptive.py")
 
 

@@ -529,6 +529,20 @@ def test_a_resumed_run_takes_the_machine_flags_from_the_command_line(script):
     assert (args.require_cuda, args.cuda, args.save_every_minutes) == (False, True, 2.0)
 
 
+def test_a_resumed_gciql_run_takes_cuda_streams_from_the_command_line():
+    """--cuda-streams changes GC-IQL's speed, not its arithmetic, so a run started on one stream may go on with
+    three; the flags that change learning stay the run's own."""
+    module = SCRIPTS["gciql"]
+    checkpoint = {"args": {"cuda_streams": False, "bf16": True, "batch_size": 256}, "run_name": "r", "rng": {},
+                  "global_step": 1, "updates": 1, **{part: {} for part in module.CHECKPOINT_PARTS}}
+    given = module.Args(resume="latest.pt", bf16=False, batch_size=1024)  # --cuda-streams left at its default
+    args = flexloop_run.resumed_args(module, checkpoint, given)
+    assert (args.cuda_streams, args.bf16, args.batch_size) == (True, True, 256)
+    checkpoint["args"]["cuda_streams"] = True
+    given = module.Args(resume="latest.pt", cuda_streams=False)
+    assert flexloop_run.resumed_args(module, checkpoint, given).cuda_streams is False
+
+
 def test_random_streams_saved_on_another_kind_of_device_restart_from_a_seed(capsys):
     """A CUDA generator's state (16 bytes) does not fit a CPU generator: the stream restarts from a seed taken from
     the saved state, the same one every time, and the run says so. A state of the same kind is restored exactly."""
