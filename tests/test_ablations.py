@@ -418,7 +418,7 @@ def test_sweep_file_parses_and_names_real_flags(path):
     parameters = sweep["parameters"]
     assert set(parameters) <= set(fields), set(parameters) - set(fields)
     # Every grid point, as the command line wandb agent builds (--name=value), parses to those values and passes
-    # the script's flag checks (which read no file, so a placeholder teacher path passes).
+    # the script's flag checks.
     grid = {name: spec["values"] if "values" in spec else [spec["value"]] for name, spec in parameters.items()}
     fixed = [word for word in sweep["command"] if not word.startswith("${")]
     for values in itertools.product(*grid.values()):
@@ -426,10 +426,11 @@ def test_sweep_file_parses_and_names_real_flags(path):
         args = tyro.cli(script.Args, args=fixed + [f"--{name}={value}" for name, value in point.items()])
         assert {name: getattr(args, name) for name in point} == point
         script.check_args(args)
-        # a sweep that post-trains shared checkpoints names committed ones, one per seed ({seed} in the path)
-        init = flexloop_run.with_seed_in_paths(args).init_checkpoint
-        if init is not None:
-            assert (ROOT / init).is_file(), f"{path.name}: seed {args.seed} starts from {init}, which is not committed"
+        # a sweep that starts from shared checkpoints (or distils a teacher) names committed ones, one per seed
+        seeded = flexloop_run.with_seed_in_paths(args)
+        for shared in (seeded.init_checkpoint, getattr(seeded, "teacher_checkpoint", None)):
+            if shared is not None:
+                assert (ROOT / shared).is_file(), f"{path.name}: seed {args.seed} reads {shared}, which is not committed"
 
 
 # ----- the lambda = 0 update: gradient at the taken action only -----
