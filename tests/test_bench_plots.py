@@ -3,7 +3,7 @@ runs (no splits) in one panel.
 bench/seed_table.py: the mean and sample std over seeds of eval_adaptive.py results, runs of one seed joined, and
 each seed's mean depth at matched success; its figure of the same means.
 bench/plot_flexloop_length.py: the seed means of depth and success at each FlexLoop length, and a clear refusal.
-bench/concurrent.py: copies started together, their rates summed line by line against one alone; clear refusals."""
+bench/runs_per_gpu.py: copies started together, their rates summed line by line against one alone; clear refusals."""
 
 import importlib.util
 import json
@@ -225,35 +225,35 @@ def test_plot_flexloop_length_gives_the_seed_means_at_each_length(tmp_path, monk
         plot.main()
 
 
-def run_concurrent(*args):
+def run_runs_per_gpu(*args):
     import subprocess
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "concurrent.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "runs_per_gpu.py"), *args], capture_output=True,
                           text=True, timeout=120)
 
 
-def test_concurrent_runs_copies_together_and_sums_their_rates_line_by_line(tmp_path):
+def test_runs_per_gpu_runs_copies_together_and_sums_their_rates_line_by_line(tmp_path):
     """Each copy appends to a file, sleeps, and reports how many copies had started by then: copies that run
     together see each other. Two JSON lines per copy are summed line by line; a non-JSON line is skipped."""
     started = tmp_path / "started"
     bench = ("import json, time, pathlib; p = pathlib.Path(%r); p.open('a').write('x'); time.sleep(1.0); "
              "n = len(p.read_text()); print('compiling'); print(json.dumps({'rate': 10.0, 'seen': n})); "
              "print(json.dumps({'rate': 4.0}))" % str(started))
-    result = run_concurrent("--copies", "1", "2", "--key", "rate", "--", sys.executable, "-c", bench)
+    result = run_runs_per_gpu("--copies", "1", "2", "--key", "rate", "--", sys.executable, "-c", bench)
     assert result.returncode == 0, result.stderr
     one, two = [json.loads(line) for line in result.stdout.splitlines()]
     assert one["copies"] == 1 and one["total"] == [10.0, 4.0] and one["of_one_alone"] == [1.0, 1.0]
     assert two["per_copy"] == [[10.0, 4.0], [10.0, 4.0]] and two["total"] == [20.0, 8.0]
     assert two["of_one_alone"] == [2.0, 2.0]
-    seen = run_concurrent("--copies", "3", "--key", "seen", "--", sys.executable, "-c", bench)
+    seen = run_runs_per_gpu("--copies", "3", "--key", "seen", "--", sys.executable, "-c", bench)
     assert json.loads(seen.stdout)["per_copy"] == [[6], [6], [6]]  # 1 + 2 from before, then all 3 at once
 
 
-def test_concurrent_refuses_a_missing_key_a_failing_copy_and_no_command():
-    missing = run_concurrent("--copies", "1", "--key", "updates_per_second", "--", sys.executable, "-c",
+def test_runs_per_gpu_refuses_a_missing_key_a_failing_copy_and_no_command():
+    missing = run_runs_per_gpu("--copies", "1", "--key", "updates_per_second", "--", sys.executable, "-c",
                              "print('{\"rate\": 1}')")
     assert missing.returncode == 1 and "printed no JSON line with 'updates_per_second'" in missing.stderr
-    failing = run_concurrent("--copies", "2", "--key", "rate", "--", sys.executable, "-c",
+    failing = run_runs_per_gpu("--copies", "2", "--key", "rate", "--", sys.executable, "-c",
                              "import sys; sys.exit('no GPU here')")
     assert failing.returncode == 1 and "exited with 1" in failing.stderr and "no GPU here" in failing.stderr
-    empty = run_concurrent("--key", "rate")
+    empty = run_runs_per_gpu("--key", "rate")
     assert empty.returncode == 2 and "give the bench's command after --" in empty.stderr

@@ -318,3 +318,12 @@ def test_every_long_run_checkpoint_in_checkpoints_resumes(path):
     network.load_state_dict(checkpoint["model"])
     torch.optim.Adam(network.parameters()).load_state_dict(checkpoint["optimizer"])
     assert checkpoint["iteration"] > 0 and checkpoint["script"] == flexloop_run.script_name(module)
+
+
+def test_no_module_of_ours_shadows_the_standard_library():
+    """A script's folder is the first entry of sys.path when it runs, so bench/concurrent.py would break every
+    bench that imports torch (which imports concurrent.futures)."""
+    ours = [path for folder in (ROOT, ROOT / "bench", ROOT / "envs", ROOT / "tests") for path in folder.glob("*.py")]
+    assert ours
+    shadowing = sorted(str(path.relative_to(ROOT)) for path in ours if path.stem in sys.stdlib_module_names)
+    assert not shadowing, f"rename {shadowing}: each hides the standard-library module of its name"

@@ -2,7 +2,7 @@
 same run. It answers how many runs of a script a GPU should hold (under CUDA MPS when its daemon is up).
 
     nvidia-cuda-mps-control -d      # optional: with MPS the copies' kernels run side by side
-    python bench/concurrent.py --copies 1 2 3 --key updates_per_second -- \\
+    python bench/runs_per_gpu.py --copies 1 2 3 --key updates_per_second -- \\
         python bench/iql_throughput.py --modes compile-streams-graph --eval-episodes 0 --updates 10000
 
 For each N in --copies, N copies start together and wait for each other to finish. From each copy, the values of
