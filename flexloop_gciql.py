@@ -202,9 +202,10 @@ def resolve_dataset_defaults(args: Args):
 # What the run plumbing (flexloop_run.py) needs to know about this script.
 FLEXLOOP_SCRIPT = "flexloop-script-v1"  # marks a FlexLoop script: eval_adaptive.py imports no other file
 ENV_FLAG = "env_name"  # the flag naming the env: run names, checkpoints and --init-checkpoint checks read it
-# cuda_streams changes speed, not the weights (tests/test_gciql.py): a resumed run takes it from the command line
+# cuda_streams changes speed, not the weights (tests/test_gciql.py): a resumed run takes it from the command line.
+# Evaluation draws from no training generator, so a resumed run may also evaluate less often or on fewer episodes.
 RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug", "dataset_dir", "dataset_path",
-                "cuda_streams")
+                "cuda_streams", "eval_every", "eval_episodes")
 ALGORITHM = "gciql"
 NETWORK_FLAGS = ("depth", "hidden_dim", "num_critics", "iru_variant", "backbone")  # an --init-checkpoint must match
 CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in a checkpoint

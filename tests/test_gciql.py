@@ -338,6 +338,21 @@ def test_cuda_streams_flag_is_ignored_on_cpu(data_dir, tmp_path):
     assert (Path(gciql.train(args)) / "final.pt").exists()
 
 
+def test_evaluating_more_often_leaves_the_training_unchanged(data_dir, tmp_path):
+    """Evaluation draws from no training generator, so --eval-every and --eval-episodes may change when a run
+    resumes (RESUME_FLAGS): runs that evaluate every 4 updates or never end with equal weights."""
+    finals, evaluations = [], []
+    for name, evaluation in (("often", dict(eval_every=4)), ("never", dict(eval_episodes=0))):
+        run_dir = gciql.train(tiny_args(data_dir, tmp_path / name, **evaluation))
+        finals.append(torch.load(Path(run_dir) / "final.pt", weights_only=False)["model"])
+        evaluations.append(sum("eval/success_depth_1" in record for record in read_metrics(run_dir)))
+    assert evaluations[0] >= 3 and evaluations[1] == 0  # 12 updates, every 4th one evaluated
+    often, never = finals
+    assert often.keys() == never.keys()
+    for key in often:
+        torch.testing.assert_close(often[key], never[key], rtol=0, atol=0, msg=key)
+
+
 def train_updates(args, dataset, device, updates=3, captured=False, **update_kwargs):
     """The weights and loss sums after `updates` calls of make_update's update from seed 0 (captured: `updates`
     replays of its CUDA graph, after the capture's warm-up updates)."""

@@ -529,7 +529,7 @@ def test_a_resumed_run_takes_the_machine_flags_from_the_command_line(script):
     assert (args.require_cuda, args.cuda, args.save_every_minutes) == (False, True, 2.0)
 
 
-def test_a_resumed_gciql_run_takes_cuda_streams_from_the_command_line():
+def test_a_resumed_gciql_run_takes_cuda_streams_and_its_evaluation_flags_from_the_command_line():
     """--cuda-streams changes GC-IQL's speed, not its arithmetic, so a run started on one stream may go on with
     three; the flags that change learning stay the run's own."""
     module = SCRIPTS["gciql"]
@@ -541,6 +541,11 @@ def test_a_resumed_gciql_run_takes_cuda_streams_from_the_command_line():
     checkpoint["args"]["cuda_streams"] = True
     given = module.Args(resume="latest.pt", cuda_streams=False)
     assert flexloop_run.resumed_args(module, checkpoint, given).cuda_streams is False
+    # evaluation is not training: how often and on how many episodes may change too, where given
+    checkpoint["args"].update(eval_every=100_000, eval_episodes=50)
+    given = module.Args(resume="latest.pt", eval_every=250_000)
+    args = flexloop_run.resumed_args(module, checkpoint, given)
+    assert (args.eval_every, args.eval_episodes) == (250_000, 50)
 
 
 def test_random_streams_saved_on_another_kind_of_device_restart_from_a_seed(capsys):
