@@ -115,8 +115,9 @@ class EvaluationArgs:
     skip_eval: bool = False
     """run only the wall-clock stress test (needs --stress-eps)"""
     eval_async: bool = True
-    """OGBench: step the episodes' MuJoCo envs in subprocesses, as the checkpoint's run did unless it ran them in
-    one process; --no-eval-async runs them in one, 1.58x faster on a 2-core CPU (docs/benchmarks.md)"""
+    """OGBench: step the episodes' MuJoCo envs in worker processes, one per core, as the checkpoint's run did
+    unless it ran them in one process; --no-eval-async runs them in this process. The episodes are the same
+    either way (docs/benchmarks.md)"""
 
 
 @dataclass

@@ -22,6 +22,7 @@ D should change `divergence` to match, and changing `divergence` changes the rul
 
 import copy
 import math
+import os
 import sys
 from dataclasses import dataclass, replace
 from functools import partial
@@ -37,6 +38,7 @@ from tqdm.auto import tqdm
 
 import flexloop_run
 from envs import ogbench_data
+from envs.eval_workers import EvalWorkers
 
 TASK_IDS = (1, 2, 3, 4, 5)  # OGBench's evaluation tasks, 1-indexed as env.reset(options=dict(task_id=k)) takes them
 ACTOR_STD = 1.0  # OGBench's const_std=True: the actor's Gaussian has a fixed unit std
@@ -145,7 +147,8 @@ class EvaluationArgs:
     eval_envs: int = 50
     """OGBench envs stepped side by side during evaluation; the policy acts on all of them in one batch"""
     eval_async: bool = True
-    """step the evaluation envs in subprocesses (gymnasium AsyncVectorEnv, one per env); False: in this process"""
+    """step the evaluation envs in worker processes, one per usable core, each stepping its share of the envs per
+    message (envs/eval_workers.py); False: all in this process"""
     eval_every: int = 100_000
     """evaluate every depth on every task every this many iterations (and at the end of each phase)"""
 
@@ -651,15 +654,15 @@ def load_dataset(args, device):
 # ---------------------------------------------------------------------------------------------------------
 # Offline: no collection. Evaluation runs OGBench's 5 tasks, episodes side by side in a gymnasium vector env.
 class TaskResetWrapper(gymnasium.Wrapper):
-    """Resets to task options['task_ids'][index], so the envs of one vector env can run different tasks."""
+    """Resets to task options['task_ids'][index], so the envs of one vector env can run different tasks, and to
+    the same episode for a seed in any process (ogbench_data.reset_episode)."""
 
     def __init__(self, env, index):
         super().__init__(env)
         self.index = index
 
     def reset(self, *, seed=None, options=None):
-        task_id = int(options["task_ids"][self.index])
-        return self.env.reset(seed=seed, options=dict(task_id=task_id, render_goal=False))
+        return ogbench_data.reset_episode(self.env, seed, int(options["task_ids"][self.index]))
 
 
 def make_eval_env(env_name, index):
@@ -667,11 +670,13 @@ def make_eval_env(env_name, index):
 
 
 def make_eval_vector_env(env_name, num_envs, async_envs=True):
-    """num_envs OGBench evaluation envs; async_envs steps each in its own subprocess. Episodes never auto-reset:
-    `rollout` resets each env itself with the task of its next episode."""
+    """num_envs OGBench evaluation envs. async_envs: stepped in batches by one worker process per usable core
+    (envs/eval_workers.py), the same episodes as in this process. Episodes never auto-reset: `rollout` resets
+    each env itself with the task of its next episode."""
+    if async_envs:
+        return EvalWorkers(env_name, num_envs, workers=len(os.sched_getaffinity(0)))
     env_fns = [partial(make_eval_env, env_name, i) for i in range(num_envs)]
-    vector_env_class = gymnasium.vector.AsyncVectorEnv if async_envs else gymnasium.vector.SyncVectorEnv
-    return vector_env_class(env_fns, autoreset_mode=gymnasium.vector.AutoresetMode.DISABLED)
+    return gymnasium.vector.SyncVectorEnv(env_fns, autoreset_mode=gymnasium.vector.AutoresetMode.DISABLED)
 
 
 def depth_policy_fn(actor, device):

@@ -341,6 +341,20 @@ def make_eval_env(env_name, **env_kwargs):
     return ogbench.make_env_and_datasets(env_name, env_only=True, **env_kwargs)
 
 
+def reset_episode(env, seed, task_id):
+    """Resets an evaluation env into task task_id's episode `seed`, the same in any process. OGBench's mazes draw
+    their start and goal noise from numpy's global generator and their settling steps from the action space's
+    own, which reset(seed=...) leaves alone: both are seeded from `seed` here, and the global generator's state
+    is put back afterwards."""
+    outside = np.random.get_state()
+    np.random.seed(seed)
+    env.action_space.seed(seed)
+    try:
+        return env.reset(seed=seed, options=dict(task_id=task_id, render_goal=False))
+    finally:
+        np.random.set_state(outside)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Generation: the package's oracles, and the trained ant expert for antmaze
 # ---------------------------------------------------------------------------------------------------------------

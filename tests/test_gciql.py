@@ -18,6 +18,7 @@ pytest.importorskip("ogbench")
 import flexloop_gciql as gciql  # noqa: E402
 import flexloop_run  # noqa: E402
 from envs import ogbench_data  # noqa: E402
+from envs.eval_workers import EvalWorkers  # noqa: E402
 from conftest import PYTHONPATH  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -305,6 +306,61 @@ def test_rollout_runs_tasks_side_by_side_and_scores_final_success():
     assert np.all(success[0] == 1.0)  # the oracle reaches every task's goal
     assert np.all(success[1] == 0.0)  # standing still reaches none
     assert max(batch_sizes) == 10  # all ten episodes (2 policies x 5 tasks) advance in one batch
+
+
+def test_worker_processes_run_the_same_episodes_as_this_process():
+    """EvalWorkers (3 envs over 2 processes) against a SyncVectorEnv: the same observations at every step and
+    the same success, with episodes of different lengths reusing the envs."""
+    def recording(policy_fn, seen):
+        def record(obs, goal, policy_index):
+            seen.append((obs.copy(), goal.copy(), policy_index.copy()))
+            return policy_fn(obs, goal, policy_index)
+        return record
+
+    results = []
+    for vector_env in (gciql.make_eval_vector_env(PM, 3, async_envs=False), EvalWorkers(PM, 3, workers=2)):
+        seen = []
+        success = gciql.rollout(recording(pointmaze_oracle()[0], seen), vector_env, task_ids=(1, 2), episodes=2,
+                                num_policies=2, seed=5)
+        vector_env.close()
+        results.append((success, seen))
+    (sync_success, sync_seen), (worker_success, worker_seen) = results
+    np.testing.assert_array_equal(worker_success, sync_success)
+    assert sync_success[0].all() and not sync_success[1].any()  # the oracle reaches its goals; standing still not
+    assert len(worker_seen) == len(sync_seen)
+    for (obs, goal, index), (sync_obs, sync_goal, sync_index) in zip(worker_seen, sync_seen):
+        np.testing.assert_array_equal(obs, sync_obs)
+        np.testing.assert_array_equal(goal, sync_goal)
+        np.testing.assert_array_equal(index, sync_index)
+
+
+def test_an_episode_seed_gives_the_same_start_and_goal_whatever_numpys_global_state():
+    """OGBench's mazes add their start and goal noise from numpy's global generator: reset_episode seeds it from
+    the episode's seed and then puts the caller's state back."""
+    starts = []
+    for global_seed in (0, 1):
+        np.random.seed(global_seed)
+        env = ogbench_data.make_eval_env(PM)
+        before = np.random.get_state()[1].copy()
+        obs, info = ogbench_data.reset_episode(env, 3, 2)
+        starts.append((obs, info["goal"]))
+        np.testing.assert_array_equal(np.random.get_state()[1], before)  # the caller's stream goes on untouched
+        env.close()
+    np.testing.assert_array_equal(starts[0][0], starts[1][0])
+    np.testing.assert_array_equal(starts[0][1], starts[1][1])
+    env = ogbench_data.make_eval_env(PM)
+    other, _ = ogbench_data.reset_episode(env, 4, 2)
+    env.close()
+    assert not np.array_equal(other, starts[0][0])  # another seed, another start
+
+
+def test_eval_workers_refuse_empty_sizes_and_close_twice():
+    with pytest.raises(ValueError, match="num_envs >= 1 and workers >= 1"):
+        EvalWorkers(PM, 0, workers=2)
+    envs = EvalWorkers(PM, 2, workers=4)  # more workers than envs: one env each
+    assert len(envs.processes) == 2 and envs.num_envs == 2
+    envs.close()
+    envs.close()
 
 
 def test_rollout_reuses_envs_for_waiting_episodes_in_subprocesses():

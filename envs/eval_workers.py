@@ -1,0 +1,105 @@
+"""OGBench evaluation envs stepped in batches by a few worker processes.
+
+gymnasium's AsyncVectorEnv gives every env a process and a message each way per step; with 50 envs on a handful of
+cores, the messages and the process switches cost more than the physics. Here each of `workers` processes owns a
+slice of the envs and steps all of them per message, so a step of the batch is one round trip per worker.
+
+The interface is the part of a gymnasium vector env that `flexloop_gciql.rollout` uses (no auto-reset):
+
+    envs = EvalWorkers("pointmaze-large-stitch-v0", num_envs=50, workers=4)
+    obs, info = envs.reset(seed=[...], options={"reset_mask": mask, "task_ids": tasks})   # info["goal"]
+    obs, reward, terminated, truncated, info = envs.step(actions)                        # info["success"]
+    envs.close()
+
+Env i is made, reset and stepped exactly as in a SyncVectorEnv, so the episodes are the same bytes.
+"""
+
+import multiprocessing
+import sys
+
+import numpy as np
+
+
+def _serve(connection, env_name, count):
+    """A worker: `count` evaluation envs, reset and stepped on command."""
+    from envs import ogbench_data
+
+    envs = [ogbench_data.make_eval_env(env_name) for _ in range(count)]
+    obs_dim = envs[0].observation_space.shape[0]
+    connection.send((envs[0].observation_space, envs[0].action_space))
+    try:
+        while True:
+            command, payload = connection.recv()
+            if command == "reset":
+                seeds, mask, task_ids = payload
+                obs, goals = np.zeros((count, obs_dim), np.float32), np.zeros((count, obs_dim), np.float32)
+                for i in np.flatnonzero(mask):
+                    obs[i], info = ogbench_data.reset_episode(envs[i], int(seeds[i]), int(task_ids[i]))
+                    goals[i] = info["goal"]
+                connection.send((obs, goals))
+            elif command == "step":
+                obs = np.zeros((count, obs_dim), np.float32)
+                reward, success = np.zeros(count), np.zeros(count)
+                terminated, truncated = np.zeros(count, bool), np.zeros(count, bool)
+                for i, env in enumerate(envs):
+                    obs[i], reward[i], terminated[i], truncated[i], info = env.step(payload[i])
+                    success[i] = info["success"]
+                connection.send((obs, reward, terminated, truncated, success))
+            else:  # "close"
+                break
+    finally:
+        for env in envs:
+            env.close()
+        connection.close()
+
+
+class EvalWorkers:
+    """num_envs evaluation envs of env_name, split as evenly as possible over `workers` processes."""
+
+    def __init__(self, env_name, num_envs, workers):
+        if num_envs < 1 or workers < 1:
+            raise ValueError(f"EvalWorkers needs num_envs >= 1 and workers >= 1, got {num_envs} and {workers}")
+        self.num_envs, workers = num_envs, min(workers, num_envs)
+        counts = [num_envs // workers + (w < num_envs % workers) for w in range(workers)]
+        self.slices = [slice(sum(counts[:w]), sum(counts[:w + 1])) for w in range(workers)]
+        # fork on Linux, as gymnasium's AsyncVectorEnv does there: a script needs no __main__ guard, and the children
+        # never touch the parent's CUDA (elsewhere the platform's default)
+        context = multiprocessing.get_context("fork" if sys.platform == "linux" else None)
+        self.connections, self.processes = [], []
+        for count in counts:
+            parent, child = context.Pipe()
+            process = context.Process(target=_serve, args=(child, env_name, count), daemon=True)
+            process.start()
+            child.close()
+            self.connections.append(parent)
+            self.processes.append(process)
+        spaces = [connection.recv() for connection in self.connections]
+        self.single_observation_space, self.single_action_space = spaces[0]
+
+    def _gather(self, message_of):
+        for connection, part in zip(self.connections, self.slices):
+            connection.send(message_of(part))
+        replies = [connection.recv() for connection in self.connections]
+        return [np.concatenate(arrays) for arrays in zip(*replies)]
+
+    def reset(self, *, seed, options):
+        seeds, mask, task_ids = np.asarray(seed), np.asarray(options["reset_mask"]), np.asarray(options["task_ids"])
+        obs, goals = self._gather(lambda part: ("reset", (seeds[part], mask[part], task_ids[part])))
+        return obs, {"goal": goals}
+
+    def step(self, actions):
+        actions = np.asarray(actions)
+        obs, reward, terminated, truncated, success = self._gather(lambda part: ("step", actions[part]))
+        return obs, reward, terminated, truncated, {"success": success}
+
+    def close(self):
+        for connection in self.connections:
+            try:
+                connection.send(("close", None))
+            except (BrokenPipeError, OSError):  # the worker is gone already
+                pass
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+        self.connections, self.processes = [], []
