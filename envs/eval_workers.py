@@ -16,18 +16,21 @@ Env i is made, reset and stepped exactly as in a SyncVectorEnv, so the episodes 
 
 import multiprocessing
 import sys
+import traceback
 
 import numpy as np
 
 
 def _serve(connection, env_name, count):
-    """A worker: `count` evaluation envs, reset and stepped on command."""
+    """A worker: `count` evaluation envs, reset and stepped on command. Every reply is (error, result): a failure
+    goes back as its traceback, for the parent to raise."""
     from envs import ogbench_data
 
-    envs = [ogbench_data.make_eval_env(env_name) for _ in range(count)]
-    obs_dim = envs[0].observation_space.shape[0]
-    connection.send((envs[0].observation_space, envs[0].action_space))
+    envs = []
     try:
+        envs = [ogbench_data.make_eval_env(env_name) for _ in range(count)]
+        obs_dim = envs[0].observation_space.shape[0]
+        connection.send((None, (envs[0].observation_space, envs[0].action_space)))
         while True:
             command, payload = connection.recv()
             if command == "reset":
@@ -36,7 +39,7 @@ def _serve(connection, env_name, count):
                 for i in np.flatnonzero(mask):
                     obs[i], info = ogbench_data.reset_episode(envs[i], int(seeds[i]), int(task_ids[i]))
                     goals[i] = info["goal"]
-                connection.send((obs, goals))
+                connection.send((None, (obs, goals)))
             elif command == "step":
                 obs = np.zeros((count, obs_dim), np.float32)
                 reward, success = np.zeros(count), np.zeros(count)
@@ -44,9 +47,13 @@ def _serve(connection, env_name, count):
                 for i, env in enumerate(envs):
                     obs[i], reward[i], terminated[i], truncated[i], info = env.step(payload[i])
                     success[i] = info["success"]
-                connection.send((obs, reward, terminated, truncated, success))
+                connection.send((None, (obs, reward, terminated, truncated, success)))
             else:  # "close"
                 break
+    except (EOFError, KeyboardInterrupt):  # the parent is gone or stopping: nothing to answer
+        pass
+    except Exception:  # noqa: BLE001  (any failure goes back to the parent, which raises it)
+        connection.send((traceback.format_exc(), None))
     finally:
         for env in envs:
             env.close()
@@ -73,14 +80,26 @@ class EvalWorkers:
             child.close()
             self.connections.append(parent)
             self.processes.append(process)
-        spaces = [connection.recv() for connection in self.connections]
-        self.single_observation_space, self.single_action_space = spaces[0]
+        self.single_observation_space, self.single_action_space = self._replies()[0]
+
+    def _replies(self):
+        """Each worker's result; a worker's failure raised here with its traceback."""
+        replies = []
+        for connection in self.connections:
+            try:
+                error, result = connection.recv()
+            except EOFError:
+                error, result = "the worker process ended without a reply (killed, or out of memory?)", None
+            if error is not None:
+                self.close()
+                raise RuntimeError(f"an OGBench evaluation worker failed:\n{error}")
+            replies.append(result)
+        return replies
 
     def _gather(self, message_of):
         for connection, part in zip(self.connections, self.slices):
             connection.send(message_of(part))
-        replies = [connection.recv() for connection in self.connections]
-        return [np.concatenate(arrays) for arrays in zip(*replies)]
+        return [np.concatenate(arrays) for arrays in zip(*self._replies())]
 
     def reset(self, *, seed, options):
         seeds, mask, task_ids = np.asarray(seed), np.asarray(options["reset_mask"]), np.asarray(options["task_ids"])

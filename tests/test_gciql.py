@@ -354,13 +354,15 @@ def test_an_episode_seed_gives_the_same_start_and_goal_whatever_numpys_global_st
     assert not np.array_equal(other, starts[0][0])  # another seed, another start
 
 
-def test_eval_workers_refuse_empty_sizes_and_close_twice():
+def test_eval_workers_refuse_empty_sizes_close_twice_and_raise_a_workers_error():
     with pytest.raises(ValueError, match="num_envs >= 1 and workers >= 1"):
         EvalWorkers(PM, 0, workers=2)
     envs = EvalWorkers(PM, 2, workers=4)  # more workers than envs: one env each
     assert len(envs.processes) == 2 and envs.num_envs == 2
     envs.close()
     envs.close()
+    with pytest.raises(RuntimeError, match="evaluation worker failed(.|\n)*no-such-env-v0"):
+        EvalWorkers("no-such-env-v0", 2, workers=2)  # a worker's error comes back with its traceback
 
 
 def test_rollout_reuses_envs_for_waiting_episodes_in_subprocesses():
