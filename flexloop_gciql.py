@@ -22,7 +22,6 @@ D should change `divergence` to match, and changing `divergence` changes the rul
 
 import copy
 import math
-import os
 import sys
 from dataclasses import dataclass, replace
 from functools import partial
@@ -674,7 +673,7 @@ def make_eval_vector_env(env_name, num_envs, async_envs=True):
     (envs/eval_workers.py), the same episodes as in this process. Episodes never auto-reset: `rollout` resets
     each env itself with the task of its next episode."""
     if async_envs:
-        return EvalWorkers(env_name, num_envs, workers=len(os.sched_getaffinity(0)))
+        return EvalWorkers(env_name, num_envs, workers=ogbench_data.usable_cores())
     env_fns = [partial(make_eval_env, env_name, i) for i in range(num_envs)]
     return gymnasium.vector.SyncVectorEnv(env_fns, autoreset_mode=gymnasium.vector.AutoresetMode.DISABLED)
 
