@@ -1,8 +1,8 @@
 """OGBench evaluation envs stepped in batches by a few worker processes.
 
-gymnasium's AsyncVectorEnv gives every env a process and a message each way per step; with 50 envs on a handful of
-cores, the messages and the process switches cost more than the physics. Here each of `workers` processes owns a
-slice of the envs and steps all of them per message, so a step of the batch is one round trip per worker.
+gymnasium's AsyncVectorEnv gives every env a process and a message each way per step; with 50 envs on 2 cores it
+stepped 1.58x slower than one process (docs/benchmarks.md). Here each of `workers` processes owns a slice of the
+envs and steps all of them per message, so a step of the batch is one round trip per worker.
 
 The interface is the part of a gymnasium vector env that `flexloop_gciql.rollout` uses (no auto-reset):
 
@@ -11,7 +11,8 @@ The interface is the part of a gymnasium vector env that `flexloop_gciql.rollout
     obs, reward, terminated, truncated, info = envs.step(actions)                        # info["success"]
     envs.close()
 
-Env i is made, reset and stepped exactly as in a SyncVectorEnv, so the episodes are the same bytes.
+Env i is made, reset (ogbench_data.reset_episode) and stepped as in flexloop_gciql's SyncVectorEnv, so the
+episodes are the same.
 """
 
 import multiprocessing
