@@ -2,20 +2,22 @@
 
     python bench/ppo_throughput.py                       # GPU, the script's defaults (compiled, CUDA graph)
     python bench/ppo_throughput.py --no-compile --no-cuda-graph    # the eager loop
-    python bench/ppo_throughput.py --cpu --num-envs 64 --num-steps 32 --num-minibatches 4 --iterations 2
+    python bench/ppo_throughput.py --cpu --num-envs 64 --num-steps 32 --num-minibatches 4 --iterations 3
 
-Runs train() with warmup and with warmup + iterations rollouts in each phase (pretraining, then FlexLoop
-with its teacher), and times the difference: setup, compilation, graph capture and the end-of-phase evaluations
-cancel out. Also times one rollout alone (collection + GAE, replayed from CUDA graphs as train() does with
---cuda-graph on a GPU) and one evaluation (every depth, both splits; each depth's episode replayed from a CUDA graph,
-as train() does on a GPU); an iteration's update epochs take the rest.
-Prints one JSON line, with the projected minutes of a 50M-step phase. With --profile (GPU) it adds the kernels
-of one rollout step and of one FlexLoop minibatch update, each as train() replays it, with their GPU time.
+Runs train() for --iterations rollouts in each phase (pretraining, then FlexLoop with its teacher), logging every
+iteration, and reads the run's own `charts/SPS`: the median of each phase's logs after its first, which holds the
+compilation and the graph captures. That is the number a run shows. Also times one rollout alone (collection + GAE,
+replayed from CUDA graphs as train() does with --cuda-graph on a GPU) and one evaluation (every depth, both splits;
+each depth's episode replayed from a CUDA graph, as train() does on a GPU); an iteration's update epochs take the
+rest. Prints one JSON line, with the projected minutes of a 50M-step pretraining phase. With --profile (GPU) it
+adds the kernels of one rollout step and of one FlexLoop minibatch update, each as train() replays it, with their
+GPU time.
 """
 
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -36,12 +38,17 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed_train(args):
-    start = time.perf_counter()
-    finished = (Path(gcppo.train(args)) / "final.pt").exists()
-    if not finished:  # a stopped run times less than its steps: no number rather than a wrong one
-        raise SystemExit("error: a timed run was stopped before it finished (SIGTERM or Ctrl-C); nothing measured")
-    return time.perf_counter() - start
+def steady_rates(args):
+    """train(args), then its logged charts/SPS by phase: the median of each phase's logs after its first."""
+    run_dir = Path(gcppo.train(args))
+    if not (run_dir / "final.pt").exists():  # a stopped run: no number rather than a wrong one
+        raise SystemExit("error: the timed run was stopped before it finished (SIGTERM or Ctrl-C); nothing measured")
+    rates = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "charts/SPS" in row:
+            rates.setdefault(row["phase"], []).append(row["charts/SPS"])
+    return {phase: statistics.median(sps[1:]) for phase, sps in rates.items()}
 
 
 def time_rollout_and_eval(args, device, graphed, profile=False, profile_top=8, compile_mode=None):
@@ -107,8 +114,8 @@ if __name__ == "__main__":
     parser.add_argument("--num-steps", type=int, default=gcppo.Args.num_steps)
     parser.add_argument("--num-minibatches", type=int, default=gcppo.Args.num_minibatches)
     parser.add_argument("--update-epochs", type=int, default=gcppo.Args.update_epochs)
-    parser.add_argument("--warmup", type=int, default=1, help="rollouts per phase in the shorter run")
-    parser.add_argument("--iterations", type=int, default=3, help="extra rollouts per phase in the longer run")
+    parser.add_argument("--iterations", type=int, default=10,
+                        help="rollouts per phase (at least 2: the first log of a phase is left out)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=gcppo.Args.compile)
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=gcppo.Args.cuda_graph)
     parser.add_argument("--profile", action="store_true", help="also the kernels of a rollout step and of an update")
@@ -120,31 +127,30 @@ if __name__ == "__main__":
     device = torch.device("cuda" if torch.cuda.is_available() and not cli.cpu else "cpu")
     on_gpu = device.type == "cuda"  # the script ignores --compile and --cuda-graph on a CPU
     batch = cli.num_envs * cli.num_steps
+    if cli.iterations < 2:
+        parser.error("--iterations must be at least 2: each phase's first log holds its compilation")
     # train()'s own printing goes to stderr: stdout is the JSON line alone.
     with tempfile.TemporaryDirectory() as run_dir, contextlib.redirect_stdout(sys.stderr):
         def args_for(rollouts):
             return gcppo.Args(cuda=device.type == "cuda", num_envs=cli.num_envs, num_steps=cli.num_steps,
                               num_minibatches=cli.num_minibatches, update_epochs=cli.update_epochs,
                               pretrain_timesteps=rollouts * batch, total_timesteps=rollouts * batch,
-                              eval_every=10**9, save_every=10**9, compile=cli.compile, cuda_graph=cli.cuda_graph,
-                              run_dir=run_dir)
-        timed_train(args_for(cli.warmup))  # pays the process's one-time costs (lazy init, kernel caches)
-        short = timed_train(args_for(cli.warmup))
-        long = timed_train(args_for(cli.warmup + cli.iterations))
+                              eval_every=10**9, save_every=10**9, log_every=1, compile=cli.compile,
+                              cuda_graph=cli.cuda_graph, run_dir=run_dir)
+        rates = steady_rates(args_for(cli.iterations))
         parts = time_rollout_and_eval(args_for(1), device, graphed=cli.cuda_graph and on_gpu, profile=cli.profile,
                                       profile_top=cli.profile_top, compile_mode=cli.profile_compile_mode)
-    steps = 2 * cli.iterations * batch
-    steps_per_second = steps / (long - short)
+    seconds_per_iteration = {phase: round(batch / sps, 3) for phase, sps in rates.items()}
     print(json.dumps({
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
         "num_envs": cli.num_envs, "num_steps": cli.num_steps, "num_minibatches": cli.num_minibatches,
         "update_epochs": cli.update_epochs, "compile": cli.compile and on_gpu, "cuda_graph": cli.cuda_graph and on_gpu,
-        "timed_env_steps": steps, "seconds": round(long - short, 3),
-        "env_steps_per_second": round(steps_per_second),
-        "seconds_per_iteration": round((long - short) / (2 * cli.iterations), 3),
+        "iterations_per_phase": cli.iterations, "env_steps_per_second": rates,
+        "seconds_per_iteration": seconds_per_iteration,
         "rollout_seconds": round(parts["rollout"], 3),
-        "update_seconds_per_iteration": round((long - short) / (2 * cli.iterations) - parts["rollout"], 3),
+        "update_seconds_per_iteration": {phase: round(seconds - parts["rollout"], 3)
+                                         for phase, seconds in seconds_per_iteration.items()},
         "eval_seconds": round(parts["eval"], 3),
-        "projected_minutes_per_50M_steps": round(50e6 / steps_per_second / 60, 1),
+        "projected_minutes_per_50M_steps": round(50e6 / rates["pretrain"] / 60, 1),
         **({"profile": parts["profile"]} if "profile" in parts else {}),
     }), flush=True)
