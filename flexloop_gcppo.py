@@ -494,20 +494,27 @@ def ppo_loss(logits, values, actions, old_logprobs, old_values, advantages, valu
     return policy_loss, value_loss, entropy, approx_kl, clipfrac
 
 
-def flexloop_losses(network, minibatch, args, lambda_depth):
+def flexloop_losses(network, minibatch, args, lambda_depth, every_depth=True):
     """The loss of one minibatch update and its terms by LOSS_NAMES, as device tensors (no host sync): PPO's
-    losses at depth K (policy, value, entropy bonus) plus lambda_depth * the depth KL."""
-    logits, values = network.all_depths(minibatch["obs"], minibatch["goal"])  # (K, B, A), (K, B)
+    losses at depth K (policy, value, entropy bonus) plus lambda_depth * the depth KL. every_depth=False is
+    pretraining's update (lambda_depth 0): the heads at depth K alone, as IRU-K trains, with the depth KL not
+    computed (it reads 0)."""
+    if every_depth:
+        logits, values = network.all_depths(minibatch["obs"], minibatch["goal"])  # (K, B, A), (K, B)
+        depth_kl = flexloop_depth_loss(logits, args.depth_target)
+        logits, values = logits[-1], values[-1]
+    else:
+        logits, values = network.full_depth(minibatch["obs"], minibatch["goal"])  # (B, A), (B,)
+        depth_kl = values.new_zeros(())
     policy_loss, value_loss, entropy, approx_kl, clipfrac = ppo_loss(
-        logits[-1], values[-1], minibatch["actions"], minibatch["logprobs"], minibatch["values"],
+        logits, values, minibatch["actions"], minibatch["logprobs"], minibatch["values"],
         minibatch["advantages"], minibatch["value_targets"], args.clip_coef, args.clip_vloss,
         args.norm_adv and args.advantage_norm == "minibatch")
-    depth_kl = flexloop_depth_loss(logits, args.depth_target)
     loss = policy_loss - args.ent_coef * entropy + args.vf_coef * value_loss + lambda_depth * depth_kl
     return loss, dict(zip(LOSS_NAMES, (policy_loss, value_loss, entropy, depth_kl, approx_kl, clipfrac)))
 
 
-def make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums):
+def make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums, every_depth=True):
     """One minibatch update: the rows minibatch_index of the rollout, the losses of `flexloop_losses`, gradient
     clipping, Adam. No host sync, fixed shapes: it can be captured in a CUDA graph."""
     flat = {name: tensor.flatten(0, 1) for name, tensor in buffers.items()}  # views: (T * N, ...)
@@ -515,7 +522,7 @@ def make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth
     def update():
         minibatch = {name: flat[name][minibatch_index]
                      for name in ("obs", "goal", "actions", "logprobs", "values", "advantages", "value_targets")}
-        loss, terms = flexloop_losses(network, minibatch, args, lambda_depth)
+        loss, terms = flexloop_losses(network, minibatch, args, lambda_depth, every_depth)
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
         nn.utils.clip_grad_norm_(network.parameters(), args.max_grad_norm)
@@ -749,7 +756,10 @@ def train(args: Args):
     batch_size = args.num_envs * args.num_steps
     minibatch_index = torch.zeros(batch_size // args.num_minibatches, dtype=torch.long, device=device)
     episode_sums = torch.zeros(4, device=device)  # finished episodes: count, successes, returns, lengths
-    update = run.compiled(make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums))
+    # One update per phase: pretraining's reads the heads at depth K alone (the depth KL has weight 0 there).
+    updates = {phase: run.compiled(make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth,
+                                               loss_sums, every_depth=phase == "flexloop"))
+               for phase in ("pretrain", "flexloop")}
 
     # Phases: IRU-K pretraining (lambda = 0, GAE value targets) unless a pretrained network was given, then
     # FlexLoop. Budgets are whole rollouts. From the flags, not run.init: a resumed run started from one has none.
@@ -762,7 +772,7 @@ def train(args: Args):
     obs, _ = env.reset()  # the rollout reads and writes these tensors in place (a captured graph reads them)
     rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums,
                            run.compiled(network.full_depth))
-    graphed_rollout, graphed_targets, graphed_update = None, {}, None
+    graphed_rollout, graphed_targets, graphed_updates = None, {}, {}
     evaluate_now = make_evaluate(network, eval_envs, run.cuda_graph)  # on a GPU, each depth's episode a CUDA graph
 
     with run:
@@ -789,10 +799,11 @@ def train(args: Args):
 
             order = minibatch_order(args, generators["minibatch"], device)
             minibatch_index.copy_(order[run.iteration_updates])  # what a CUDA graph's capture runs on
-            graphed_update = graphed_update or run.graphed_update(update, [])
+            if phase not in graphed_updates:
+                graphed_updates[phase] = run.graphed_update(updates[phase], [])
             for i in run.update_steps(len(order)):
                 minibatch_index.copy_(order[i])
-                graphed_update()
+                graphed_updates[phase]()
             if not run.end_iteration():
                 break  # stopped mid-iteration (SIGTERM, Ctrl-C): finish() writes latest.pt
             if args.obs_norm_update == "after-epochs":  # ours: the rollout's own ratios start at exactly 1

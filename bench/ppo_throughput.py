@@ -10,8 +10,8 @@ compilation and the graph captures. That is the number a run shows. Also times o
 replayed from CUDA graphs as train() does with --cuda-graph on a GPU) and one evaluation (every depth, both splits;
 each depth's episode replayed from a CUDA graph, as train() does on a GPU); an iteration's update epochs take the
 rest. Prints one JSON line, with the projected minutes of a 50M-step pretraining phase. With --profile (GPU) it
-adds the kernels of one rollout step and of one FlexLoop minibatch update, each as train() replays it, with their
-GPU time.
+adds the kernels of one rollout step and of one minibatch update of each phase (pretraining's at depth K
+alone, FlexLoop's at every depth), each as train() replays it, with their GPU time.
 """
 
 import argparse
@@ -87,9 +87,10 @@ def gpu_time(largest):
 
 
 def profile_rollout_and_update(args, device, network, buffers, rollout, top=8, compile_mode=None):
-    """Kernels of the replayed rollout (per env step) and of one FlexLoop minibatch update (lambda > 0: the KL at
-    every depth), compiled and captured as train() runs it, on the rollout's data; the update's `top` kernels.
-    compile_mode: torch.compile's mode for the profiled update (train() uses the default)."""
+    """Kernels of the replayed rollout (per env step) and of one minibatch update of each phase, compiled and
+    captured as train() runs them, on the rollout's data: pretraining's (depth K alone) and FlexLoop's (lambda > 0:
+    the KL at every depth), with the FlexLoop update's `top` kernels. compile_mode: torch.compile's mode for the
+    profiled updates (train() uses the default)."""
     largest, kernels = profile_kernels(rollout, device, updates=2, top=5)
     result = {"rollout_kernels_per_step": round(kernels / args.num_steps, 1),
               "rollout_us_per_step": round(gpu_time(largest) / args.num_steps, 1) if gpu_time(largest) else None,
@@ -100,11 +101,17 @@ def profile_rollout_and_update(args, device, network, buffers, rollout, top=8, c
     rows = args.num_envs * args.num_steps
     minibatch_index = torch.randperm(rows, device=device)[:rows // args.num_minibatches]
     loss_sums = torch.zeros(len(gcppo.LOSS_NAMES), device=device)
-    update = gcppo.make_update(args, network, optimizer, buffers, minibatch_index, torch.ones((), device=device),
-                               loss_sums)
-    update = flexloop_run.capture_cuda_graph(torch.compile(update, mode=compile_mode) if args.compile else update, [])
-    largest, kernels = profile_kernels(update, device, updates=20, top=top)
-    return {**result, "update_kernels": kernels, "update_us": gpu_time(largest), "update_largest": largest}
+    for phase, lam in [("pretrain", 0.0), ("flexloop", 1.0)]:
+        update = gcppo.make_update(args, network, optimizer, buffers, minibatch_index, torch.tensor(lam, device=device),
+                                   loss_sums, every_depth=phase == "flexloop")
+        update = flexloop_run.capture_cuda_graph(torch.compile(update, mode=compile_mode) if args.compile else update,
+                                                 [])
+        largest, kernels = profile_kernels(update, device, updates=20, top=top)
+        if phase == "pretrain":
+            result.update(pretrain_update_kernels=kernels, pretrain_update_us=gpu_time(largest))
+        else:
+            result.update(update_kernels=kernels, update_us=gpu_time(largest), update_largest=largest)
+    return result
 
 
 if __name__ == "__main__":

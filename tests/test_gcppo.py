@@ -150,6 +150,35 @@ def test_depth_loss_direction_gradient_and_zero():
     assert agreeing.grad.abs().max() < 1e-6
 
 
+def test_pretraining_update_reads_depth_k_alone_with_the_same_gradient():
+    """every_depth=False (pretraining, lambda 0) gives the every-depth loss's PPO terms and gradient, without
+    computing the depth KL; with lambda > 0 only the every-depth loss moves the shallow heads."""
+    args = gcppo.Args(cuda=False)
+    network = gcppo.IRUNetwork(depth=4, hidden_dim=16)
+    gen = torch.Generator().manual_seed(3)
+    rows = 32
+    minibatch = dict(obs=torch.randint(0, 2, (rows, 20), generator=gen).float(),
+                     goal=torch.randint(0, 2, (rows, 20), generator=gen).float(),
+                     actions=torch.randint(0, 20, (rows,), generator=gen), logprobs=-3 + torch.rand(rows, generator=gen),
+                     values=torch.randn(rows, generator=gen), advantages=torch.randn(rows, generator=gen),
+                     value_targets=torch.randn(rows, generator=gen))
+    gradients, terms = {}, {}
+    for every_depth in (True, False):
+        network.zero_grad()
+        loss, terms[every_depth] = gcppo.flexloop_losses(network, minibatch, args, torch.tensor(0.0), every_depth)
+        loss.backward()
+        gradients[every_depth] = [param.grad.clone() for param in network.parameters()]
+    for name in gcppo.LOSS_NAMES:
+        if name != "losses/depth_kl":
+            torch.testing.assert_close(terms[False][name], terms[True][name])
+    assert terms[True]["losses/depth_kl"] > 0 and terms[False]["losses/depth_kl"] == 0
+    for every, k_only in zip(gradients[True], gradients[False]):
+        torch.testing.assert_close(k_only, every)
+    network.zero_grad()
+    gcppo.flexloop_losses(network, minibatch, args, torch.tensor(1.0), every_depth=True)[0].backward()
+    assert not all(torch.allclose(a.grad, b) for a, b in zip(network.parameters(), gradients[True]))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The IRU actor-critic
 # ---------------------------------------------------------------------------------------------------------
@@ -337,8 +366,8 @@ def spied_run(tmp_path, **overrides):
         rollouts.append({**before, "goal_after": env.goal.clone()})
         return obs
 
-    def spy_make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums):
-        update = make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums)
+    def spy_make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums, **kwargs):
+        update = make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums, **kwargs)
 
         def spy_update():
             updates.append(dict(rows=minibatch_index.clone(), obs_count=network.obs_count.item(),
