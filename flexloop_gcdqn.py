@@ -765,7 +765,7 @@ def train(args: Args):
     network = build_network(args, device)
     if run.init is not None:
         network.load_state_dict(run.init["model"])
-    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
+    lambda_depth = torch.zeros((), device=device)  # a tensor, which the captured updates read
     loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
     generators = {"actions": torch.Generator(device).manual_seed(args.seed), "env": env.generator,
                   "replay": torch.Generator(device).manual_seed(args.seed + 1)}

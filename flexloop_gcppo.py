@@ -742,7 +742,7 @@ def train(args: Args):
     network = build_network(args, device)
     if run.init is not None:
         network.load_state_dict(run.init["model"])
-    lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
+    lambda_depth = torch.zeros((), device=device)  # a tensor, which the captured updates read
     loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
     generators = {"actions": torch.Generator(device).manual_seed(args.seed), "env": env.generator,
                   "minibatch": torch.Generator(device).manual_seed(args.seed + 1)}
@@ -756,15 +756,10 @@ def train(args: Args):
     batch_size = args.num_envs * args.num_steps
     minibatch_index = torch.zeros(batch_size // args.num_minibatches, dtype=torch.long, device=device)
     episode_sums = torch.zeros(4, device=device)  # finished episodes: count, successes, returns, lengths
-    # One update per phase: pretraining's reads the heads at depth K alone (the depth KL has weight 0 there).
-    updates = {phase: run.compiled(make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth,
-                                               loss_sums, every_depth=phase == "flexloop"))
-               for phase in ("pretrain", "flexloop")}
 
     # Phases: IRU-K pretraining (lambda = 0, GAE value targets) unless a pretrained network was given, then
     # FlexLoop. Budgets are whole rollouts. From the flags, not run.init: a resumed run started from one has none.
-    pretrain_timesteps = 0 if args.init_checkpoint else args.pretrain_timesteps
-    phases = [("pretrain", pretrain_timesteps // batch_size, 0.0),
+    phases = [("pretrain", (0 if args.init_checkpoint else args.pretrain_timesteps) // batch_size, 0.0),
               ("flexloop", args.total_timesteps // batch_size, args.lambda_depth)]
     parts = {"model": network, "teacher_model": teacher, "optimizer": optimizer}
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=batch_size,
@@ -772,7 +767,7 @@ def train(args: Args):
     obs, _ = env.reset()  # the rollout reads and writes these tensors in place (a captured graph reads them)
     rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums,
                            run.compiled(network.full_depth))
-    graphed_rollout, graphed_targets, graphed_updates = None, {}, {}
+    graphed_rollout, graphed_targets, updates_by_phase = None, {}, {}  # the updates: one per phase
     evaluate_now = make_evaluate(network, eval_envs, run.cuda_graph)  # on a GPU, each depth's episode a CUDA graph
 
     with run:
@@ -798,12 +793,13 @@ def train(args: Args):
             graphed_targets[value_teacher]()
 
             order = minibatch_order(args, generators["minibatch"], device)
-            minibatch_index.copy_(order[run.iteration_updates])  # what a CUDA graph's capture runs on
-            if phase not in graphed_updates:
-                graphed_updates[phase] = run.graphed_update(updates[phase], [])
             for i in run.update_steps(len(order)):
                 minibatch_index.copy_(order[i])
-                graphed_updates[phase]()
+                if phase not in updates_by_phase:  # pretraining's reads depth K alone; captured on its first minibatch
+                    update = make_update(args, network, optimizer, buffers, minibatch_index, lambda_depth, loss_sums,
+                                         every_depth=phase == "flexloop")
+                    updates_by_phase[phase] = run.graphed_update(run.compiled(update), [])
+                updates_by_phase[phase]()
             if not run.end_iteration():
                 break  # stopped mid-iteration (SIGTERM, Ctrl-C): finish() writes latest.pt
             if args.obs_norm_update == "after-epochs":  # ours: the rollout's own ratios start at exactly 1
