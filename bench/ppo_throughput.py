@@ -51,7 +51,8 @@ def steady_rates(args):
     return {phase: statistics.median(sps[1:]) for phase, sps in rates.items()}
 
 
-def time_rollout_and_eval(args, device, graphed, profile=False, profile_top=8, compile_mode=None):
+def time_rollout_and_eval(args, device, graphed, profile=False, profile_top=8, compile_mode=None,
+                          grads_to_none=False):
     network = gcppo.build_network(args, device)
     env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=0, check_actions=False).unwrapped
     eval_envs = {split: envs.make_vec(args.env_id, args.num_eval_envs, device=device, split=split,
@@ -77,7 +78,7 @@ def time_rollout_and_eval(args, device, graphed, profile=False, profile_top=8, c
         times[name] = time.perf_counter() - start
     if profile and device.type == "cuda":
         times["profile"] = profile_rollout_and_update(args, device, network, buffers, rollout, profile_top,
-                                                      compile_mode)
+                                                      compile_mode, grads_to_none)
     return times
 
 
@@ -86,11 +87,13 @@ def gpu_time(largest):
     return round(largest[0]["us_per_update"] / largest[0]["share"], 1) if largest and largest[0]["share"] else None
 
 
-def profile_rollout_and_update(args, device, network, buffers, rollout, top=8, compile_mode=None):
+def profile_rollout_and_update(args, device, network, buffers, rollout, top=8, compile_mode=None,
+                               grads_to_none=False):
     """Kernels of the replayed rollout (per env step) and of one minibatch update of each phase, compiled and
     captured as train() runs them, on the rollout's data: pretraining's (depth K alone) and FlexLoop's (lambda > 0:
     the KL at every depth), with the FlexLoop update's `top` kernels. compile_mode: torch.compile's mode for the
-    profiled updates (train() uses the default)."""
+    profiled updates (train() uses the default). grads_to_none: zero_grad(set_to_none=True) in place of the
+    script's zeroing, so backward writes the gradients instead of adding them to zeros (a measurement only)."""
     largest, kernels = profile_kernels(rollout, device, updates=2, top=5)
     result = {"rollout_kernels_per_step": round(kernels / args.num_steps, 1),
               "rollout_us_per_step": round(gpu_time(largest) / args.num_steps, 1) if gpu_time(largest) else None,
@@ -98,6 +101,9 @@ def profile_rollout_and_update(args, device, network, buffers, rollout, top=8, c
     on_cuda = device.type == "cuda"  # as train() builds it
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, eps=args.adam_eps, capturable=on_cuda,
                                  fused=on_cuda)
+    if grads_to_none:
+        zero_grad = optimizer.zero_grad
+        optimizer.zero_grad = lambda set_to_none=True: zero_grad(set_to_none=True)
     rows = args.num_envs * args.num_steps
     minibatch_index = torch.randperm(rows, device=device)[:rows // args.num_minibatches]
     loss_sums = torch.zeros(len(gcppo.LOSS_NAMES), device=device)
@@ -127,6 +133,8 @@ if __name__ == "__main__":
     parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=gcppo.Args.cuda_graph)
     parser.add_argument("--profile", action="store_true", help="also the kernels of a rollout step and of an update")
     parser.add_argument("--profile-top", type=int, default=8, help="how many of the update's largest kernels to list")
+    parser.add_argument("--profile-grads-to-none", action="store_true", help="profile the updates with "
+                        "zero_grad(set_to_none=True): backward writes the gradients, no zeroing and adding")
     parser.add_argument("--profile-compile-mode", default=None, help="torch.compile mode of the profiled update, "
                         "e.g. max-autotune-no-cudagraphs (Triton GEMMs with fused epilogues); train() uses the default")
     cli = parser.parse_args()
@@ -146,7 +154,8 @@ if __name__ == "__main__":
                               cuda_graph=cli.cuda_graph, run_dir=run_dir)
         rates = steady_rates(args_for(cli.iterations))
         parts = time_rollout_and_eval(args_for(1), device, graphed=cli.cuda_graph and on_gpu, profile=cli.profile,
-                                      profile_top=cli.profile_top, compile_mode=cli.profile_compile_mode)
+                                      profile_top=cli.profile_top, compile_mode=cli.profile_compile_mode,
+                                      grads_to_none=cli.profile_grads_to_none)
     seconds_per_iteration = {phase: round(batch / sps, 3) for phase, sps in rates.items()}
     print(json.dumps({
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
@@ -159,5 +168,6 @@ if __name__ == "__main__":
                                          for phase, seconds in seconds_per_iteration.items()},
         "eval_seconds": round(parts["eval"], 3),
         "projected_minutes_per_50M_steps": round(50e6 / rates["pretrain"] / 60, 1),
-        **({"profile": parts["profile"]} if "profile" in parts else {}),
+        **({"profile": {**parts["profile"], "compile_mode": cli.profile_compile_mode,
+                        "grads_to_none": cli.profile_grads_to_none}} if "profile" in parts else {}),
     }), flush=True)
