@@ -278,6 +278,49 @@ def test_ogbench_envs_step_as_the_run_did_unless_told_to_use_one_process():
             assert adapter.async_envs is expected
 
 
+
+def test_ogbench_trace_follows_the_first_successful_episode_of_a_task():
+    """The paper's Figure 6 shows successful episodes: the trace tries the task's episodes in seed order until one
+    succeeds (else shows the last tried), each run alone, so row 0's depths are that episode's."""
+    calls = []
+
+    class FakeScript:  # the two functions eval_adaptive.py calls on flexloop_gciql.py
+        @staticmethod
+        def make_eval_vector_env(env_name, num_envs, async_envs):
+            return None
+
+        @staticmethod
+        def rollout(policy_fn, vector_env, task_ids, episodes, num_policies, seed):
+            calls.append((task_ids, episodes, seed))
+            for step in range(len(calls)):  # the n-th episode tried runs n steps
+                policy_fn(np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1))
+            return np.full((num_policies, 1, episodes), float(outcomes[len(calls) - 1]))
+
+    class FakeNetwork:
+        depth = 3
+
+        @staticmethod
+        def act(decision):
+            return decision
+
+    def choice(obs, goal, policy_index):  # depth 2 everywhere
+        return torch.zeros(len(obs), 2), torch.full((len(obs),), 2)
+    choice.num_policies = 1
+
+    args = tyro.cli(ea.Args, args=["--checkpoints", "x.pt", "--seed", "7"])
+    train_args = type("TrainArgs", (), {"eval_episodes": 50, "eval_envs": 4, "eval_async": False})()
+    adapter = ea.OGBenchAdapter(FakeScript, FakeNetwork(), train_args, "pointmaze-large-stitch-v0", args, "cpu")
+    adapter.groups = ["task1", "task2"]
+    outcomes = [0, 0, 1, 0]
+    trace = adapter.trace("task2", choice)
+    assert trace == {"depths": [2, 2, 2], "episode_success": 1.0, "episode": 2}
+    assert calls == [((2,), 1, 7 + 2000 + episode) for episode in range(3)]  # one episode each, the next seed
+    calls.clear()
+    outcomes = [0] * ea.TRACE_TRIES
+    trace = adapter.trace("task1", choice)
+    assert trace["episode_success"] == 0.0 and trace["episode"] == ea.TRACE_TRIES - 1
+    assert len(calls) == ea.TRACE_TRIES and len(trace["depths"]) == ea.TRACE_TRIES
+
 # ----- bad inputs -----
 
 @pytest.mark.parametrize("overrides, message", [
