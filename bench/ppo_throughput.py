@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import flexloop_gcppo as gcppo  # noqa: E402
 import flexloop_run  # noqa: E402
-from profiling import profile_kernels  # noqa: E402
+from profiling import grads_written_by_backward, profile_kernels  # noqa: E402
 
 
 def sync(device):
@@ -102,8 +102,7 @@ def profile_rollout_and_update(args, device, network, buffers, rollout, top=8, c
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, eps=args.adam_eps, capturable=on_cuda,
                                  fused=on_cuda)
     if grads_to_none:
-        zero_grad = optimizer.zero_grad
-        optimizer.zero_grad = lambda set_to_none=True: zero_grad(set_to_none=True)
+        grads_written_by_backward(optimizer)
     rows = args.num_envs * args.num_steps
     minibatch_index = torch.randperm(rows, device=device)[:rows // args.num_minibatches]
     loss_sums = torch.zeros(len(gcppo.LOSS_NAMES), device=device)

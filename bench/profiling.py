@@ -8,6 +8,13 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def grads_written_by_backward(optimizer):
+    """A measurement only: the scripts' zero_grad(set_to_none=False) made set_to_none=True, so backward writes the
+    gradients instead of adding them to zeros."""
+    zero_grad = optimizer.zero_grad
+    optimizer.zero_grad = lambda set_to_none=True: zero_grad(set_to_none=True)
+
+
 def profile_kernels(update, device, updates=20, top=8):
     """The `top` GPU kernels by total time over `updates` updates, with their share of the GPU time, and how many
     kernels one update launches."""

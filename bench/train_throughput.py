@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
-from profiling import profile_kernels, profile_ops, sync  # noqa: E402
+from profiling import grads_written_by_backward, profile_kernels, profile_ops, sync  # noqa: E402
 import flexloop_gcdqn as gcdqn  # noqa: E402
 import flexloop_run  # noqa: E402
 
@@ -42,9 +42,8 @@ def setup(args, device):
     fused = OPTIMIZER_VARIANT["fused_adam"] and device.type == "cuda"
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=device.type == "cuda",
                                  fused=fused or None)
-    if OPTIMIZER_VARIANT["grads_to_none"]:  # measurement only: the script's zero_grad(set_to_none=False) overridden
-        zero_grad = optimizer.zero_grad
-        optimizer.zero_grad = lambda set_to_none=True: zero_grad(set_to_none=True)
+    if OPTIMIZER_VARIANT["grads_to_none"]:
+        grads_written_by_backward(optimizer)
     replay = gcdqn.TrajectoryReplay(args.num_envs, args.replay_episodes, args.episode_length, device)
     return env, network, target_network, optimizer, replay
 
