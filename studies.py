@@ -164,7 +164,7 @@ def lightsout(budget=LIGHTSOUT, name="lightsout"):
         train("flexloop", *post, "--lambda-depth", "0.05"),
         train("control", *post, "--lambda-depth", "0"),
         evaluate("eval", {"IRU-5": "{pretrain}/final.pt", "FlexLoop": "{flexloop}/final.pt",
-                          "Control": "{control}/final.pt"}, *budget.eval),
+                          "Self-TD-Only": "{control}/final.pt"}, *budget.eval),
     ))
 
 
@@ -194,7 +194,7 @@ def ogbench(name, budget=OGBENCH):
         train("flexloop", *post, "--lambda-depth", lambda_depth),
         train("control", *post, "--lambda-depth", "0"),
         evaluate("eval", {"IRU-5": "{pretrain}/final.pt", "FlexLoop": "{flexloop}/final.pt",
-                          "Control": "{control}/final.pt"}, *budget.eval),
+                          "Self-TD-Only": "{control}/final.pt"}, *budget.eval),
     ))
 
 

@@ -35,13 +35,10 @@ PAPER_TABLE2 = {"train": (4.50, 0.989, 0.989), "unseen": (4.46, 0.778, 0.760)}  
 
 
 def model_of(label):
-    """IRU-5, FlexLoop or Self-TD-Only, from a label such as 'FlexLoop-5M+1M' ('Control', as reproduce.py labels
-    the lambda = 0 control, is Self-TD-Only)."""
+    """IRU-5, FlexLoop or Self-TD-Only, from a label such as 'FlexLoop-5M+1M'."""
     for model in (IRU, FLEXLOOP, CONTROL):
         if label.startswith(model):
             return model
-    if label.startswith("Control"):
-        return CONTROL
     raise ValueError(f"label {label!r} names none of {IRU}, {FLEXLOOP}, {CONTROL}; relabel with eval_adaptive.py "
                      "--labels")
 

@@ -41,7 +41,7 @@ def dataset_files(tmp_path, dataset, flexloop_success=(0.4, 0.5)):
     return [write(tmp_path, f"{dataset}-{seed}", [
         entry("IRU-5", dataset, [0.2, 0.4, 0.6, 0.0, 1.0]),
         entry("FlexLoop", dataset, [0.2, 0.4, 0.6, 0.2, 1.0], calibrated=(success, 3.0 + seed)),
-        entry("Control", dataset, [0.0, 0.4, 0.6, 0.0, 1.0])]) for seed, success in enumerate(flexloop_success)]
+        entry("Self-TD-Only", dataset, [0.0, 0.4, 0.6, 0.0, 1.0])]) for seed, success in enumerate(flexloop_success)]
 
 
 def test_table4_reads_the_mean_over_tasks_at_the_calibrated_threshold_and_averages_seeds(tmp_path):
@@ -52,7 +52,7 @@ def test_table4_reads_the_mean_over_tasks_at_the_calibrated_threshold_and_averag
     assert row["flexloop_depth"] == pytest.approx((3.5, 0.7071068), abs=1e-6)
     assert row["iru_success"] == pytest.approx((0.44, 0.0))  # full depth, mean over the 5 tasks
     assert row["flexloop_full_depth"][0] == pytest.approx(0.48)
-    assert row["control_full_depth"][0] == pytest.approx(0.4)  # reproduce.py's "Control" is Self-TD Only
+    assert row["control_full_depth"][0] == pytest.approx(0.4)  # the lambda = 0 control
     assert row["per_task"]["task4"]["iru_success"][0] == 0.0
     assert row["per_task"]["task4"]["flexloop_success"][0] == pytest.approx(0.1)
     assert row["paper"] == plot_ogbench.PAPER_TABLE4["scene-play-v0"]
@@ -90,3 +90,19 @@ def test_figure_6_draws_only_episodes_that_succeeded(tmp_path):
     for name in ("traces.png", "pareto.png", "elasticity.png"):
         assert (tmp_path / name).stat().st_size > 5000
     plt.close("all")
+
+
+
+def test_the_labels_reproduce_py_gives_ogbench_and_boxpick_evaluations_are_ones_the_reports_read():
+    import sys
+    sys.path.insert(0, str(ROOT))
+    import studies
+    for name, study in studies.STUDIES.items():
+        if not name.startswith(("ogbench-", "boxpick-")):
+            continue
+        [run] = [run for run in study.runs if run.kind == "eval"]
+        command = list(run.command)
+        labels = command[command.index("--labels") + 1:]
+        labels = labels[:next((i for i, flag in enumerate(labels) if flag.startswith("--")), len(labels))]
+        models = [plot_ogbench.plot_protocol.model_of(label) for label in labels]  # raises on a label it cannot read
+        assert models == ["IRU-5", "FlexLoop", "Self-TD-Only"], name
