@@ -72,7 +72,8 @@ class ExperimentArgs:
     exp_name: str = "eval_adaptive"
     """the name of this evaluation (part of the output folder's name)"""
     seed: int = 1
-    """seed of the evaluation envs and action sampling (the same tasks for every checkpoint, depth and eps)"""
+    """seed of the evaluation envs and action sampling: the same episodes for every checkpoint, depth and eps, and
+    for every training seed's run evaluated with the same value (bench/seed_table.py joins only those)"""
     torch_deterministic: bool = True
     """sets `torch.backends.cudnn.deterministic`"""
     cuda: bool = True
