@@ -273,6 +273,24 @@ def load_checkpoint(path, algorithm=None):
     return checkpoint
 
 
+def slim_checkpoint(source, destination):
+    """Copy a checkpoint with the network's weights alone, to share or commit it: the optimiser, the target network
+    and any frozen helper network (pretrained_model, teacher_model) are left out, the run's flags, step counts, RNG
+    state and last metrics kept. Evaluation and --init-checkpoint read it as they read the full one; --resume does
+    not take it. Returns the parts left out."""
+    source, destination = Path(source), Path(destination)
+    if destination.exists() and destination.resolve() == source.resolve():
+        raise ValueError(f"{destination} is the checkpoint being slimmed; write the slim copy to another path, so "
+                         "the full one (optimiser and target network, which resuming needs) is kept")
+    if destination.exists():
+        raise FileExistsError(f"{destination} exists; remove it or choose another path")
+    checkpoint = load_checkpoint(source)
+    dropped = [key for key in checkpoint if key == "optimizer" or (key.endswith("_model") and key != "model")]
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(destination, {key: value for key, value in checkpoint.items() if key not in dropped})
+    return dropped
+
+
 def on_this_device(state_dict, part):
     """An optimiser's state with this device's settings (Adam's capturable and fused flags), so that a run can move
     between a GPU and a CPU; any other part's state as it is."""
@@ -790,3 +808,19 @@ class Run:
         if sync:
             say(f"W&B ran offline; upload the run with\n    {sync}")
         return self.dir
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python flexloop_run.py", description="checkpoint tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    slim = commands.add_parser("slim", help=slim_checkpoint.__doc__.split(":")[0],
+                               description=slim_checkpoint.__doc__.replace("Returns the parts left out.", ""))
+    slim.add_argument("source", help="a checkpoint written by a FlexLoop script (final.pt, latest.pt, pretrained.pt)")
+    slim.add_argument("destination", help="where to write the slim copy (must not exist)")
+    cli = parser.parse_args()
+    with errors_in_one_line():
+        left_out = slim_checkpoint(cli.source, cli.destination)
+        say(f"wrote {cli.destination} ({Path(cli.destination).stat().st_size / 1e6:.1f} MB, from "
+            f"{Path(cli.source).stat().st_size / 1e6:.1f} MB); left out: {', '.join(left_out) or 'nothing'}")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import pytest
+import torch
 
 import envs
 import flexloop_gcdqn as gcdqn
@@ -103,6 +104,59 @@ def test_a_finished_run_prints_final_pt_and_the_evaluation_command_and_writes_te
     logged = [record for record in records if "losses/td_loss" in record]
     assert [event.step for event in events] == [record["global_step"] for record in logged]
     assert [event.value for event in events] == pytest.approx([record["losses/td_loss"] for record in logged])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Slim checkpoints: the network alone, to share or commit
+# ---------------------------------------------------------------------------------------------------------
+def test_a_slim_checkpoint_acts_as_the_full_one_and_keeps_what_evaluation_needs(tmp_path):
+    run_dir = gcdqn.train(gcdqn.Args(**TINY_DQN, run_dir=str(tmp_path / "runs")))
+    full_path, slim_path = run_dir / "final.pt", tmp_path / "shared" / "final.pt"
+    full_bytes = full_path.read_bytes()
+
+    left_out = flexloop_run.slim_checkpoint(full_path, slim_path)
+
+    assert sorted(left_out) == ["optimizer", "pretrained_model", "target_model"]
+    assert full_path.read_bytes() == full_bytes  # the full checkpoint is untouched
+    full, slim = flexloop_run.load_checkpoint(full_path), flexloop_run.load_checkpoint(slim_path, "gcdqn")
+    assert set(full) - set(slim) == set(left_out)
+    for key in ("args", "rng", "updates", "global_step", "metrics", "run_name"):
+        assert repr(slim[key]) == repr(full[key]), key
+    obs_goal = torch.randint(0, 12, (2, 5, 36)).float()
+    q = [gcdqn.network_from_checkpoint(c)[0].all_depths(*obs_goal) for c in (full, slim)]
+    assert torch.equal(q[0], q[1])
+    assert slim_path.stat().st_size < full_path.stat().st_size / 2
+
+
+def test_slimming_refuses_to_overwrite_and_resuming_a_slim_checkpoint_names_the_fix(tmp_path):
+    run_dir = gcdqn.train(gcdqn.Args(**TINY_DQN, run_dir=str(tmp_path / "runs")))
+    final = run_dir / "final.pt"
+    full_bytes = final.read_bytes()
+    with pytest.raises(ValueError, match="is the checkpoint being slimmed; write the slim copy to another path"):
+        flexloop_run.slim_checkpoint(final, final)
+    with pytest.raises(FileExistsError, match="exists; remove it or choose another path"):
+        flexloop_run.slim_checkpoint(final, run_dir / "pretrained.pt")
+    assert final.read_bytes() == full_bytes
+
+    slim = tmp_path / "slim.pt"
+    flexloop_run.slim_checkpoint(final, slim)
+    with pytest.raises(ValueError, match=r"lacks \['target_model', 'optimizer'\].*--init-checkpoint instead"):
+        gcdqn.train(gcdqn.Args(**TINY_DQN, run_dir=str(tmp_path / "runs"), resume=str(slim)))
+
+
+def test_the_slim_command_line_writes_the_copy_or_fails_in_one_line(tmp_path):
+    run_dir = gcdqn.train(gcdqn.Args(**TINY_DQN, run_dir=str(tmp_path / "runs")))
+    command = [sys.executable, str(ROOT / "flexloop_run.py"), "slim", str(run_dir / "final.pt")]
+    done = subprocess.run([*command, str(tmp_path / "slim.pt")], env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "left out: target_model, optimizer, pretrained_model" in done.stdout
+    assert "model" in flexloop_run.load_checkpoint(tmp_path / "slim.pt")
+
+    again = subprocess.run([*command, str(tmp_path / "slim.pt")], env=ENV, capture_output=True, text=True)
+    assert again.returncode == 1
+    assert again.stderr.strip().splitlines() == [
+        f"flexloop_run.py: error: {tmp_path / 'slim.pt'} exists; remove it or choose another path  (--debug shows "
+        "the traceback)"]
 
 
 # ---------------------------------------------------------------------------------------------------------
