@@ -1,6 +1,7 @@
 """The run plumbing that FlexLoop's scripts share, as CleanRL's scripts share cleanrl_utils: flags in groups, run
 setup, checkpoints (save, load, check, refuse code), the metrics log (metrics.jsonl, TensorBoard, W&B), RNG state,
-stop signals and the timer, progress, CUDA-graph capture, and loading the script that a checkpoint names.
+stop signals and the timer, progress, CUDA-graph capture, and loading the script that a checkpoint names. Run as a
+script, it writes a checkpoint's slim copy: python flexloop_run.py slim SOURCE DESTINATION.
 
 Nothing here knows an algorithm. A script passes itself, and this module reads the names it defines:
 
