@@ -278,7 +278,7 @@ def slim_checkpoint(source, destination):
     """Copy a checkpoint with the network's weights alone, to share or commit it: the optimiser, the target network
     and any frozen helper network (pretrained_model, teacher_model) are left out, the run's flags, step counts, RNG
     state and last metrics kept. Evaluation and --init-checkpoint read it as they read the full one; --resume does
-    not take it. Returns the parts left out."""
+    not take it. Returns the parts left out that held something."""
     source, destination = Path(source), Path(destination)
     if destination.exists() and destination.resolve() == source.resolve():
         raise ValueError(f"{destination} is the checkpoint being slimmed; write the slim copy to another path, so "
@@ -289,7 +289,7 @@ def slim_checkpoint(source, destination):
     dropped = [key for key in checkpoint if key == "optimizer" or (key.endswith("_model") and key != "model")]
     destination.parent.mkdir(parents=True, exist_ok=True)
     save_checkpoint(destination, {key: value for key, value in checkpoint.items() if key not in dropped})
-    return dropped
+    return [key for key in dropped if checkpoint[key] is not None]  # a part the run did not use is saved as None
 
 
 def on_this_device(state_dict, part):
@@ -817,7 +817,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python flexloop_run.py", description="checkpoint tools")
     commands = parser.add_subparsers(dest="command", required=True)
     slim = commands.add_parser("slim", help=slim_checkpoint.__doc__.split(":")[0],
-                               description=slim_checkpoint.__doc__.replace("Returns the parts left out.", ""))
+                               description=slim_checkpoint.__doc__.split(" Returns")[0])
     slim.add_argument("source", help="a checkpoint written by a FlexLoop script (final.pt, latest.pt, pretrained.pt)")
     slim.add_argument("destination", help="where to write the slim copy (must not exist)")
     cli = parser.parse_args()
