@@ -280,10 +280,10 @@ def slim_checkpoint(source, destination):
     state and last metrics kept. Evaluation and --init-checkpoint read it as they read the full one; --resume does
     not take it. Returns the parts left out that held something."""
     source, destination = Path(source), Path(destination)
-    if destination.exists() and destination.resolve() == source.resolve():
-        raise ValueError(f"{destination} is the checkpoint being slimmed; write the slim copy to another path, so "
-                         "the full one (optimiser and target network, which resuming needs) is kept")
     if destination.exists():
+        if destination.resolve() == source.resolve():
+            raise ValueError(f"{destination} is the checkpoint being slimmed; write the slim copy to another path, "
+                             "so the full one (optimiser and target network, which resuming needs) is kept")
         raise FileExistsError(f"{destination} exists; remove it or choose another path")
     checkpoint = load_checkpoint(source)
     dropped = [key for key in checkpoint if key == "optimizer" or (key.endswith("_model") and key != "model")]

@@ -109,8 +109,14 @@ def test_a_finished_run_prints_final_pt_and_the_evaluation_command_and_writes_te
 # ---------------------------------------------------------------------------------------------------------
 # Slim checkpoints: the network alone, to share or commit
 # ---------------------------------------------------------------------------------------------------------
-def test_a_slim_checkpoint_acts_as_the_full_one_and_keeps_what_evaluation_needs(tmp_path):
-    run_dir = gcdqn.train(gcdqn.Args(**TINY_DQN, run_dir=str(tmp_path / "runs")))
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One finished tiny GC-DQN run that the slim tests read (and never change)."""
+    return gcdqn.train(gcdqn.Args(**TINY_DQN, run_dir=str(tmp_path_factory.mktemp("slim") / "runs")))
+
+
+def test_a_slim_checkpoint_acts_as_the_full_one_and_keeps_what_evaluation_needs(finished_run, tmp_path):
+    run_dir = finished_run
     full_path, slim_path = run_dir / "final.pt", tmp_path / "shared" / "final.pt"
     full_bytes = full_path.read_bytes()
 
@@ -129,8 +135,8 @@ def test_a_slim_checkpoint_acts_as_the_full_one_and_keeps_what_evaluation_needs(
     assert slim_path.stat().st_size < full_path.stat().st_size / 2
 
 
-def test_slimming_refuses_to_overwrite_and_resuming_a_slim_checkpoint_names_the_fix(tmp_path):
-    run_dir = gcdqn.train(gcdqn.Args(**TINY_DQN, run_dir=str(tmp_path / "runs")))
+def test_slimming_refuses_to_overwrite_and_resuming_a_slim_checkpoint_names_the_fix(finished_run, tmp_path):
+    run_dir = finished_run
     final = run_dir / "final.pt"
     full_bytes = final.read_bytes()
     with pytest.raises(ValueError, match="is the checkpoint being slimmed; write the slim copy to another path"):
@@ -145,8 +151,8 @@ def test_slimming_refuses_to_overwrite_and_resuming_a_slim_checkpoint_names_the_
         gcdqn.train(gcdqn.Args(**TINY_DQN, run_dir=str(tmp_path / "runs"), resume=str(slim)))
 
 
-def test_the_slim_command_line_writes_the_copy_or_fails_in_one_line(tmp_path):
-    run_dir = gcdqn.train(gcdqn.Args(**TINY_DQN, run_dir=str(tmp_path / "runs")))
+def test_the_slim_command_line_writes_the_copy_or_fails_in_one_line(finished_run, tmp_path):
+    run_dir = finished_run
     command = [sys.executable, str(ROOT / "flexloop_run.py"), "slim", str(run_dir / "final.pt")]
     done = subprocess.run([*command, str(tmp_path / "slim.pt")], env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
