@@ -140,6 +140,10 @@ class StressArgs:
     """timing samples per mode (modes take turns, so drift hits all alike)"""
     stress_block: int = 10
     """env steps per timing sample"""
+    stress_compaction: Literal["per-step", "per-depth"] = "per-step"
+    """compact mode with CUDA graphs: per-step sizes every depth from the last 10 steps' counts (one sync a step,
+    a margin, a redo when a bucket overflows); per-depth sizes each depth by its own count, rounded up to
+    num_envs/64 (one sync a depth, no margin, no redo)"""
     stress_min_shrink: float = 0.1
     """compact only when at least this fraction of the active rows stopped since the last compaction"""
     stress_bucket_margin: float = 0.05
@@ -720,6 +724,118 @@ def bucket_sizes(recent_counts, batch, margin, min_shrink):
     return tuple(sizes)
 
 
+class PerDepthCompaction:
+    """Compacted adaptive decisions sized one depth at a time, for CUDA graphs (--stress-compaction per-depth).
+
+    Each depth where rows can stop is one piece of work on static buffers: advance the rows still going, read their
+    heads, write the decisions of the rows that stop, and move the rest to the front of the other buffer set. One
+    host sync then reads how many rows are going, and the next depth runs on that count rounded up to a granule
+    (1/num_sizes of the batch). So the padding is under a granule, with no bucket to outgrow and no batch to redo,
+    at the price of a sync per depth instead of per step. Padding rows carry row index B and write to a sink row B.
+
+    With use_graph each (depth, size) is captured when first met and then replayed; the full size of every depth is
+    captured up front, so a frozen policy always has a captured size that holds its count. Call it to fill
+    decision[:B] and depth[:B]."""
+
+    def __init__(self, network, obs, goal, eps, k_min, use_graph, num_sizes=64):
+        self.network, self.obs, self.goal, self.eps, self.k_min = network, obs, goal, eps, k_min
+        self.use_graph, self.batch = use_graph, obs.shape[0]
+        self.granule = max(1, math.ceil(self.batch / num_sizes))
+        self.depths = list(range(k_min + 1, network.depth + 1))  # the depths where a row can stop
+        batch, device = self.batch, obs.device
+        state = network.start(obs, goal)
+        decision = network.decide(state)
+
+        def with_sink(t, batch_dim):  # the batch dimension grown by the sink row
+            shape = list(t.shape)
+            shape[batch_dim] = batch + 1
+            return t.new_zeros(shape)
+
+        # Two sets, so that each depth reads the one the depth before wrote (the state's batch is dimension 1).
+        self.states = [tuple(with_sink(t, 1) for t in state) for _ in range(2)]
+        self.previous = [with_sink(decision, 0) for _ in range(2)]
+        self.rows = [torch.full((batch + 1,), batch, dtype=torch.long, device=device) for _ in range(2)]
+        self.all_rows = torch.arange(batch, device=device)
+        self.decision, self.depth = with_sink(decision, 0), torch.zeros(batch + 1, dtype=torch.long, device=device)
+        self.going = torch.zeros((), dtype=torch.long, device=device)
+        self.runs, self.frozen = {}, False
+        if use_graph:
+            self.going_host = torch.zeros((), dtype=torch.long).pin_memory()
+            self.pool = torch.cuda.graph_pool_handle()  # the graphs of one call run one after another
+        for k in self.depths:
+            self.run_for(k, batch)
+
+    @torch.no_grad()
+    def depth_step(self, k, size):
+        """Depth k for the first `size` rows of the set the depth before wrote (the first depth: the whole batch)."""
+        network, batch, level = self.network, self.batch, self.depths.index(k)
+        if level == 0:  # every row is going: the depths before the first possible stop, on the whole batch
+            state = network.start(self.obs, self.goal)
+            previous = network.decide(state) if self.k_min == 0 else None
+            for _ in range(self.k_min):
+                state = network.advance(state)
+            previous = network.decide(state) if self.k_min > 0 else previous
+            rows = self.all_rows
+        else:
+            source = (level - 1) % 2
+            state = tuple(t[:, :size] for t in self.states[source])
+            previous, rows = self.previous[source][:size], self.rows[source][:size]
+        state = network.advance(state)
+        current = network.decide(state)
+        real = rows < batch
+        last = k == self.depths[-1]
+        stop = torch.ones_like(real) if last else network.divergence(current, previous).clamp(min=0) < self.eps
+        target = torch.where(stop & real, rows, batch)  # rows that stop write their decision; the rest, the sink
+        self.decision.index_copy_(0, target, current)
+        self.depth.index_copy_(0, target, torch.full_like(target, k))
+        if last:
+            return
+        going = ~stop & real
+        slot = torch.where(going, going.cumsum(0) - 1, batch)  # the going rows to the front, in order
+        into = level % 2
+        for buffer, t in zip(self.states[into], state):
+            buffer.index_copy_(1, slot, t)
+        self.previous[into].index_copy_(0, slot, current)
+        self.rows[into][:size].fill_(batch)  # what follows the going rows is padding
+        self.rows[into].index_copy_(0, slot, rows)
+        self.going.copy_(going.sum())
+
+    def run_for(self, k, size):
+        if (k, size) not in self.runs:
+            work = lambda: self.depth_step(k, size)  # noqa: E731
+            self.runs[k, size] = flexloop_run.capture_cuda_graph(work, [], pool=self.pool, warmup=1) \
+                if self.use_graph else work
+        return self.runs[k, size]
+
+    def size_for(self, k, count):
+        """count rounded up to the granule; once frozen, the smallest captured size of depth k that holds it."""
+        size = min(self.batch, math.ceil(count / self.granule) * self.granule)
+        if self.frozen and (k, size) not in self.runs:
+            size = min(s for depth, s in self.runs if depth == k and s >= size)
+        return size
+
+    def going_count(self):
+        if not self.use_graph:
+            return int(self.going)
+        self.going_host.copy_(self.going, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # the one sync per depth
+        return int(self.going_host)
+
+    def __call__(self):
+        """The going count after each depth but the last, and the sizes the depths after the first ran at."""
+        size, counts, sizes = self.batch, [], []
+        for k in self.depths:
+            self.run_for(k, size)()
+            if k == self.depths[-1]:
+                break
+            counts.append(self.going_count())
+            if counts[-1] == 0:  # every row has its decision: the deeper depths have nothing to do
+                break
+            size = self.size_for(k + 1, counts[-1])
+            sizes.append(size)
+        return counts, sizes
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Wall-clock stress test: whole env steps (policy, act, env.step), CUDA-synchronised.
 # ---------------------------------------------------------------------------------------------------------
@@ -732,14 +848,18 @@ class StressStepper:
     Eager compact mode compacts to exact counts (one host sync per depth). With CUDA graphs, full and masked replay
     one graph per step, and compact runs `bucketed`: a policy graph for its current compacted sizes, then one sync
     to read the going counts and the overflow flag, an exact redo of the batch on overflow, then the act + env.step
-    graph; the sizes follow the last 10 steps' counts. (bucketed=True without graphs runs the same logic eagerly.)"""
+    graph; the sizes follow the last 10 steps' counts. (bucketed=True without graphs runs the same logic eagerly.)
+    per_depth=True makes compact mode size each depth by its own count instead (PerDepthCompaction), eager or graphed.
+
+    rows_run / rows_needed count the rows advanced through one recurrent step, against the exact compaction's."""
 
     def __init__(self, network, mode, eps, k_min, num_envs, env_id, split, seed, device, use_graph,
-                 min_shrink=0.1, margin=0.05, bucketed=None):
+                 min_shrink=0.1, margin=0.05, bucketed=None, per_depth=False):
         self.network, self.mode, self.eps, self.k_min, self.min_shrink, self.margin = \
             network, mode, eps, k_min, min_shrink, margin
         self.use_graph, self.num_envs = use_graph, num_envs
-        self.bucketed = use_graph and mode == "compact" if bucketed is None else bucketed
+        per_depth = per_depth and mode == "compact"
+        self.bucketed = not per_depth and (use_graph and mode == "compact" if bucketed is None else bucketed)
         self.env = envs.make_vec(env_id, num_envs, device=device, split=split, seed=seed, check_actions=False).unwrapped
         self.generator = torch.Generator(device).manual_seed(seed)
         obs, _ = self.env.reset()
@@ -751,7 +871,8 @@ class StressStepper:
         self.num_levels = max(K - k_min - 1, 0)
         self.full_sizes = (num_envs,) * self.num_levels
         self.recent_counts, self.sizes, self.policy_runs = [], self.full_sizes, {}
-        self.overflow_steps = 0
+        self.overflow_steps, self.rows_run, self.rows_needed = 0, 0, 0
+        self.rows_before_stops = num_envs * min(k_min + 1, K)  # every row runs the depths before its first stop
         self.sizes_seen_before_timing = 0  # set after warmup: sizes first seen later were captured while timed
         self.freeze_sizes = False  # freeze(): no new sizes from then on
         decision, depth = full_depth_policy(network, self.obs, self.goal)  # shapes for the static buffers
@@ -759,9 +880,15 @@ class StressStepper:
         self.stats = torch.zeros(1 + self.num_levels, dtype=torch.long, device=device)
         self.run_step = lambda: self.env_step(*self.policy())
         self.run_env_step = lambda: self.env_step(self.decision, self.depth)
+        self.per_depth, self.depth_sizes = None, []
+        if per_depth:
+            self.per_depth = PerDepthCompaction(network, self.obs, self.goal, eps, k_min, use_graph)
+            self.decision, self.depth = self.per_depth.decision[:num_envs], self.per_depth.depth[:num_envs]
         if use_graph:
             generators = [self.generator, self.env.generator]
-            if self.bucketed:
+            if self.per_depth:
+                self.run_env_step = flexloop_run.capture_cuda_graph(self.run_env_step, generators)
+            elif self.bucketed:
                 self.run_env_step = flexloop_run.capture_cuda_graph(self.run_env_step, generators)
                 self.stats_host = torch.zeros_like(self.stats, device="cpu").pin_memory()
                 self.pool = torch.cuda.graph_pool_handle()  # policy graphs share memory: they never overlap
@@ -796,12 +923,21 @@ class StressStepper:
         self.stats.copy_(torch.stack([overflow.long(), *counts, *skipped]))
 
     def step(self):
-        if self.bucketed:
+        if self.per_depth:
+            self.step_per_depth()
+        elif self.bucketed:
             self.step_bucketed()
         else:
             self.run_step()
 
+    def step_per_depth(self):
+        counts, self.depth_sizes = self.per_depth()
+        self.run_env_step()
+        self.rows_run += self.rows_before_stops + sum(self.depth_sizes)
+        self.rows_needed += self.rows_before_stops + sum(counts)
+
     def step_bucketed(self):
+        sizes_used = self.sizes
         if self.sizes not in self.policy_runs:
             run = lambda s=self.sizes: self.bucketed_policy_into_buffers(s)  # noqa: E731
             graphed = self.use_graph
@@ -820,7 +956,10 @@ class StressStepper:
             self.decision.copy_(decision)
             self.depth.copy_(depth)
             stats = [0] + [int(c) for c in counts] + [0] * (self.num_levels - len(counts))
+            self.rows_run += self.rows_before_stops + sum(counts)  # the redo, as the exact compaction
         self.run_env_step()
+        self.rows_run += self.rows_before_stops + sum(sizes_used)
+        self.rows_needed += self.rows_before_stops + sum(stats[1:])
         if not self.num_levels:
             return
         self.recent_counts = (self.recent_counts + [stats[1:]])[-10:]
@@ -836,8 +975,14 @@ class StressStepper:
     def freeze(self):
         """--stress-freeze-sizes: no new bucket sizes from now on, the next step's included."""
         self.freeze_sizes = True
+        if self.per_depth:
+            self.per_depth.frozen = True
         if self.bucketed and self.sizes not in self.policy_runs:
             self.sizes = self.captured_sizes_holding(self.sizes)
+
+    def captured_policies(self):
+        """The policy graphs (eager: the policy functions) of compact mode so far."""
+        return len(self.per_depth.runs) if self.per_depth else len(self.policy_runs) if self.bucketed else 0
 
     def report(self):
         counts = self.depth_counts.double().cpu()
@@ -846,9 +991,11 @@ class StressStepper:
         return {"mean_depth": mean_depth, "episodes": episodes,
                 "success": self.success_sum.item() / episodes if episodes else None,
                 "overflow_steps": self.overflow_steps,
-                "policy_graphs": len(self.policy_runs) if self.use_graph and self.bucketed else 0,
-                "new_sizes_while_timed": len(self.policy_runs) - self.sizes_seen_before_timing if self.bucketed else 0,
-                "bucket_sizes": list(self.sizes) if self.bucketed else None}
+                "policy_graphs": self.captured_policies() if self.use_graph else 0,
+                "new_sizes_while_timed": self.captured_policies() - self.sizes_seen_before_timing,
+                "bucket_sizes": list(self.sizes) if self.bucketed else None,
+                # rows advanced one recurrent step, over what the exact compaction advances (padding, redos)
+                "rows_run_over_exact": self.rows_run / self.rows_needed if self.rows_needed else None}
 
 
 def stress_test(network, args, eps, num_envs, device):
@@ -857,7 +1004,8 @@ def stress_test(network, args, eps, num_envs, device):
     use_graph = args.cuda_graph and device.type == "cuda"
     modes = ["full"] + (["compact", "masked"] if args.stress_mode == "both" else [args.stress_mode])
     steppers = {mode: StressStepper(network, mode, eps, args.k_min, num_envs, args.stress_env_id, args.stress_split,
-                                    args.seed, device, use_graph, args.stress_min_shrink, args.stress_bucket_margin)
+                                    args.seed, device, use_graph, args.stress_min_shrink, args.stress_bucket_margin,
+                                    per_depth=args.stress_compaction == "per-depth")
                 for mode in modes}
     for stepper in steppers.values():
         for _ in range(args.stress_warmup):
@@ -865,8 +1013,8 @@ def stress_test(network, args, eps, num_envs, device):
         stepper.depth_counts.zero_()
         stepper.success_sum.zero_()
         stepper.episodes.zero_()
-        stepper.overflow_steps = 0
-        stepper.sizes_seen_before_timing = len(stepper.policy_runs)
+        stepper.overflow_steps, stepper.rows_run, stepper.rows_needed = 0, 0, 0
+        stepper.sizes_seen_before_timing = stepper.captured_policies()
         if args.stress_freeze_sizes:
             stepper.freeze()
     sync()
@@ -881,6 +1029,7 @@ def stress_test(network, args, eps, num_envs, device):
             times[mode].append((time.perf_counter() - start) / args.stress_block * 1000)
     result = {"num_envs": num_envs, "env_id": args.stress_env_id, "split": args.stress_split, "eps": eps,
               "k_min": args.k_min, "depth": network.depth, "cuda_graph": use_graph, "compile": args.compile,
+              "compaction": args.stress_compaction,
               "freeze_sizes": args.stress_freeze_sizes and use_graph,  # eager compact mode has no buckets
               "steps_timed": args.stress_samples * args.stress_block, "modes": {}}
     for mode in modes:

@@ -2,13 +2,17 @@
 
     python bench/bucket_sizes.py --checkpoint checkpoints/BoxPick-Generalize-4-1-v0__gen-flax__1__*/final.pt --split train
     python bench/bucket_sizes.py --checkpoint ... --split train --freeze      # as --stress-freeze-sizes
+    python bench/bucket_sizes.py --checkpoint ... --split train --freeze --compaction per-depth
 
 On a GPU, compact mode (eval_adaptive.py --stress-envs, CUDA graphs) captures one policy graph per set of bucket
 sizes, and a capture inside a timed block slows that block. The bucket logic does not depend on the device, so
 this runs it eagerly (bucketed, no graphs) and prints JSON: the new sizes met in the warm-up and in each 100 steps
 after it, the overflow redos, and the mean bucket size as a fraction of the envs (the compute the buckets keep),
 overall and as quartiles over the timed blocks of 10 steps: a wide spread there is work that changes from block
-to block (the episodes' phase), which no capture policy removes.
+to block (the episodes' phase), which no capture policy removes. rows_run_over_exact is the work the sizes cost:
+rows advanced one recurrent step (redos included) over what exact compaction advances. With --compaction
+per-depth (eval_adaptive.py --stress-compaction) each depth is sized by its own count and "sizes" are (depth,
+size) pairs.
 """
 
 import argparse
@@ -32,6 +36,8 @@ parser.add_argument("--warmup", type=int, default=100, help="as eval_adaptive.py
 parser.add_argument("--steps", type=int, default=500, help="the steps a stress test times (50 samples of 10)")
 parser.add_argument("--freeze", action="store_true", help="no new sizes after the warm-up, as eval_adaptive.py by default "
                     "(without it: as --no-stress-freeze-sizes)")
+parser.add_argument("--compaction", choices=("per-step", "per-depth"), default="per-step",
+                    help="as eval_adaptive.py --stress-compaction")
 parser.add_argument("--seed", type=int, default=1)
 args = parser.parse_args()
 
@@ -39,16 +45,21 @@ module, checkpoint = flexloop_run.load_any_checkpoint(args.checkpoint)
 network, _ = module.network_from_checkpoint(checkpoint, torch.device("cpu"))
 network.eval().requires_grad_(False)
 stepper = eval_adaptive.StressStepper(network, "compact", args.eps, 1, args.num_envs, checkpoint["env_id"], args.split,
-                                      args.seed, torch.device("cpu"), use_graph=False, bucketed=True)
+                                      args.seed, torch.device("cpu"), use_graph=False, bucketed=True,
+                                      per_depth=args.compaction == "per-depth")
 start = time.time()
 new_sizes, bucket_fraction = [], []
 with torch.no_grad():
     for step in range(args.warmup + args.steps):
-        if step == args.warmup and args.freeze:
-            stepper.freeze()
-        new_sizes.append(stepper.sizes not in stepper.policy_runs)
+        if step == args.warmup:
+            stepper.rows_run, stepper.rows_needed = 0, 0
+            if args.freeze:
+                stepper.freeze()
+        captured, sizes = stepper.captured_policies(), stepper.sizes
         stepper.step()
-        bucket_fraction.append(sum(stepper.sizes) / (args.num_envs * max(stepper.num_levels, 1)))
+        new_sizes.append(stepper.captured_policies() - captured)
+        sizes = stepper.depth_sizes if stepper.per_depth else sizes  # per-depth: the sizes this step ran at
+        bucket_fraction.append(sum(sizes) / (args.num_envs * max(stepper.num_levels, 1)))
 timed = new_sizes[args.warmup:]
 block_fractions = sorted(sum(bucket_fraction[i:i + 10]) / 10 for i in range(args.warmup, args.warmup + args.steps, 10))
 print(json.dumps({
@@ -59,4 +70,5 @@ print(json.dumps({
     "overflow_steps": stepper.overflow_steps,
     "mean_bucket_fraction_after_warmup": sum(bucket_fraction[args.warmup:]) / args.steps,
     "block_bucket_fraction_q25_median_q75": [block_fractions[int(q * (len(block_fractions) - 1))] for q in (0.25, 0.5, 0.75)],
+    "rows_run_over_exact": stepper.report()["rows_run_over_exact"], "compaction": args.compaction,
     "mean_depth": stepper.report()["mean_depth"], "seconds": round(time.time() - start, 1)}))

@@ -132,6 +132,34 @@ def test_compacted_and_masked_give_the_same_depths_and_actions(k_min, quantile):
     assert ea.compacted_policy(network, obs, goal, eps, k_min, sizes=(1,) * levels)[3]
 
 
+
+@pytest.mark.parametrize("k_min", [0, 1, 2])
+@pytest.mark.parametrize("quantile", [0.2, 0.5])
+def test_per_depth_compaction_gives_the_masked_depths_and_decisions(k_min, quantile):
+    network, obs, goal = random_network_and_batch()
+    eps = eps_between_deltas(network, obs, goal, quantile, k_min)
+    masked_decision, masked_depth = ea.masked_policy(network, obs, goal, eps, k_min)
+    assert len(masked_depth.unique()) >= 3
+    policy = ea.PerDepthCompaction(network, obs, goal, eps, k_min, use_graph=False, num_sizes=8)  # granule 8
+    for _ in range(2):  # a second call on the same buffers must not read the first one's leftovers
+        counts, sizes = policy()
+        assert torch.equal(policy.depth[:64], masked_depth)
+        assert torch.allclose(policy.decision[:64], masked_decision, atol=1e-5)
+    # the going counts are those of the exact compaction, and each depth ran at its count rounded up to 8 rows
+    assert counts == [int(c) for c in ea.compacted_policy(network, obs, goal, eps, k_min)[2]]
+    assert sizes == [min(64, -(-c // 8) * 8) for c in counts[:len(sizes)]] and min(sizes) < 64
+    assert set(policy.runs) == {(k, 64) for k in policy.depths} | set(zip(policy.depths[1:], sizes))
+
+
+def test_per_depth_compaction_frozen_takes_a_captured_size_that_holds_the_count():
+    network, obs, goal = random_network_and_batch()
+    policy = ea.PerDepthCompaction(network, obs, goal, 0.0, 1, use_graph=False, num_sizes=8)
+    policy.runs[3, 24] = policy.runs[3, 40] = None  # as if captured earlier
+    assert policy.size_for(3, 17) == 24  # unfrozen: the count rounded up, captured or not
+    policy.frozen = True
+    assert policy.size_for(3, 17) == 24 and policy.size_for(3, 30) == 40 and policy.size_for(3, 41) == 64
+    assert policy.size_for(4, 3) == 64  # only the full size was captured at depth 4
+
 def test_stress_steppers_compact_and_masked_follow_the_same_episodes():
     network, obs, goal = random_network_and_batch(seed=1, batch=32)
     eps = eps_between_deltas(network, obs, goal, 0.4)
@@ -202,6 +230,29 @@ def test_frozen_bucket_sizes_capture_nothing_new_and_still_follow_the_masked_epi
     assert torch.equal(bucketed.env.grid, masked.env.grid)
     assert torch.equal(bucketed.depth_counts, masked.depth_counts)
 
+
+
+def test_per_depth_steps_follow_the_masked_episodes_with_less_padding_than_buckets():
+    network, obs, goal = random_network_and_batch(seed=1, batch=64)
+    eps = eps_between_deltas(network, obs, goal, 0.4)
+    per_depth, masked = (ea.StressStepper(network, mode, eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
+                                          per_depth=True) for mode in ("compact", "masked"))
+    bucketed = ea.StressStepper(network, "compact", eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
+                                bucketed=True)
+    for step in range(40):
+        if step == 20:
+            per_depth.freeze()
+            captured = per_depth.captured_policies()
+            per_depth.sizes_seen_before_timing = captured
+        for stepper in (per_depth, masked, bucketed):
+            stepper.step()
+    assert torch.equal(per_depth.env.grid, masked.env.grid)
+    assert torch.equal(per_depth.depth_counts, masked.depth_counts)
+    report = per_depth.report()
+    assert report["new_sizes_while_timed"] == 0 and report["overflow_steps"] == 0
+    assert 1.0 <= report["rows_run_over_exact"] < bucketed.report()["rows_run_over_exact"]
+    # mean depth x envs x steps is the exact compaction's work
+    assert per_depth.rows_needed == pytest.approx(float(masked.report()["mean_depth"]) * 64 * 40)
 
 def test_bucket_sizes_cover_recent_counts_and_skip_small_shrinks():
     recent = [[50, 30, 10], [52, 28, 12]]
