@@ -132,18 +132,15 @@ class StressArgs:
     """task split of the stress test (the paper's Table 3: 1.28x on train, 1.34x on unseen tasks)"""
     stress_eps: Optional[float] = None
     """eps of the stress test (default: each checkpoint's calibrated eps)"""
-    stress_mode: Literal["compact", "masked", "both"] = "both"
-    """adaptive inference to time against full depth: compacted active rows, masked rows, or both"""
+    stress_mode: tuple[Literal["compact", "compact-per-depth", "masked"], ...] = ("compact", "masked")
+    """adaptive inference to time against full depth, taking turns in one run: compacted active rows (with CUDA
+    graphs sized per step), compacted rows sized per depth, masked rows"""
     stress_warmup: int = 100
     """untimed env steps per mode first (one BoxPick episode: compile, capture, bucket sizes settle)"""
     stress_samples: int = 50
     """timing samples per mode (modes take turns, so drift hits all alike)"""
     stress_block: int = 10
     """env steps per timing sample"""
-    stress_compaction: Literal["per-step", "per-depth"] = "per-step"
-    """compact mode with CUDA graphs: per-step sizes every depth from the last 10 steps' counts (one sync a step,
-    a margin, a redo when a bucket overflows); per-depth sizes each depth by its own count, rounded up to
-    num_envs/64 (one sync a depth, no margin, no redo)"""
     stress_min_shrink: float = 0.1
     """compact only when at least this fraction of the active rows stopped since the last compaction"""
     stress_bucket_margin: float = 0.05
@@ -725,7 +722,7 @@ def bucket_sizes(recent_counts, batch, margin, min_shrink):
 
 
 class PerDepthCompaction:
-    """Compacted adaptive decisions sized one depth at a time, for CUDA graphs (--stress-compaction per-depth).
+    """Compacted adaptive decisions sized one depth at a time, for CUDA graphs (--stress-mode compact-per-depth).
 
     Each depth where rows can stop is one piece of work on static buffers: advance the rows still going, read their
     heads, write the decisions of the rows that stop, and move the rest to the front of the other buffer set. One
@@ -843,22 +840,23 @@ MAX_POLICY_GRAPHS = 64  # distinct bucket sizes captured per stepper, at most
 
 
 class StressStepper:
-    """Whole env steps for one inference mode (full, masked, compact), eager or replayed from CUDA graphs.
+    """Whole env steps for one inference mode (full, masked, compact, compact-per-depth), eager or replayed from
+    CUDA graphs.
 
     Eager compact mode compacts to exact counts (one host sync per depth). With CUDA graphs, full and masked replay
     one graph per step, and compact runs `bucketed`: a policy graph for its current compacted sizes, then one sync
     to read the going counts and the overflow flag, an exact redo of the batch on overflow, then the act + env.step
     graph; the sizes follow the last 10 steps' counts. (bucketed=True without graphs runs the same logic eagerly.)
-    per_depth=True makes compact mode size each depth by its own count instead (PerDepthCompaction), eager or graphed.
+    compact-per-depth sizes each depth by its own count instead (PerDepthCompaction), eager or graphed.
 
     rows_run / rows_needed count the rows advanced through one recurrent step, against the exact compaction's."""
 
     def __init__(self, network, mode, eps, k_min, num_envs, env_id, split, seed, device, use_graph,
-                 min_shrink=0.1, margin=0.05, bucketed=None, per_depth=False):
+                 min_shrink=0.1, margin=0.05, bucketed=None):
         self.network, self.mode, self.eps, self.k_min, self.min_shrink, self.margin = \
             network, mode, eps, k_min, min_shrink, margin
         self.use_graph, self.num_envs = use_graph, num_envs
-        per_depth = per_depth and mode == "compact"
+        per_depth = mode == "compact-per-depth"
         self.bucketed = not per_depth and (use_graph and mode == "compact" if bucketed is None else bucketed)
         self.env = envs.make_vec(env_id, num_envs, device=device, split=split, seed=seed, check_actions=False).unwrapped
         self.generator = torch.Generator(device).manual_seed(seed)
@@ -1002,10 +1000,9 @@ def stress_test(network, args, eps, num_envs, device):
     """Median and IQR of the wall clock of one whole env step, per mode, on args.stress_env_id."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     use_graph = args.cuda_graph and device.type == "cuda"
-    modes = ["full"] + (["compact", "masked"] if args.stress_mode == "both" else [args.stress_mode])
+    modes = ["full"] + list(dict.fromkeys(args.stress_mode))
     steppers = {mode: StressStepper(network, mode, eps, args.k_min, num_envs, args.stress_env_id, args.stress_split,
-                                    args.seed, device, use_graph, args.stress_min_shrink, args.stress_bucket_margin,
-                                    per_depth=args.stress_compaction == "per-depth")
+                                    args.seed, device, use_graph, args.stress_min_shrink, args.stress_bucket_margin)
                 for mode in modes}
     for stepper in steppers.values():
         for _ in range(args.stress_warmup):
@@ -1029,7 +1026,6 @@ def stress_test(network, args, eps, num_envs, device):
             times[mode].append((time.perf_counter() - start) / args.stress_block * 1000)
     result = {"num_envs": num_envs, "env_id": args.stress_env_id, "split": args.stress_split, "eps": eps,
               "k_min": args.k_min, "depth": network.depth, "cuda_graph": use_graph, "compile": args.compile,
-              "compaction": args.stress_compaction,
               "freeze_sizes": args.stress_freeze_sizes and use_graph,  # eager compact mode has no buckets
               "steps_timed": args.stress_samples * args.stress_block, "modes": {}}
     for mode in modes:

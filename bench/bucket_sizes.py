@@ -11,7 +11,7 @@ after it, the overflow redos, and the mean bucket size as a fraction of the envs
 overall and as quartiles over the timed blocks of 10 steps: a wide spread there is work that changes from block
 to block (the episodes' phase), which no capture policy removes. rows_run_over_exact is the work the sizes cost:
 rows advanced one recurrent step (redos included) over what exact compaction advances. With --compaction
-per-depth (eval_adaptive.py --stress-compaction) each depth is sized by its own count and "sizes" are (depth,
+per-depth (eval_adaptive.py --stress-mode compact-per-depth) each depth is sized by its own count and "sizes" are (depth,
 size) pairs.
 """
 
@@ -37,16 +37,16 @@ parser.add_argument("--steps", type=int, default=500, help="the steps a stress t
 parser.add_argument("--freeze", action="store_true", help="no new sizes after the warm-up, as eval_adaptive.py by default "
                     "(without it: as --no-stress-freeze-sizes)")
 parser.add_argument("--compaction", choices=("per-step", "per-depth"), default="per-step",
-                    help="as eval_adaptive.py --stress-compaction")
+                    help="per-depth: as eval_adaptive.py --stress-mode compact-per-depth")
 parser.add_argument("--seed", type=int, default=1)
 args = parser.parse_args()
 
 module, checkpoint = flexloop_run.load_any_checkpoint(args.checkpoint)
 network, _ = module.network_from_checkpoint(checkpoint, torch.device("cpu"))
 network.eval().requires_grad_(False)
-stepper = eval_adaptive.StressStepper(network, "compact", args.eps, 1, args.num_envs, checkpoint["env_id"], args.split,
-                                      args.seed, torch.device("cpu"), use_graph=False, bucketed=True,
-                                      per_depth=args.compaction == "per-depth")
+mode = "compact-per-depth" if args.compaction == "per-depth" else "compact"
+stepper = eval_adaptive.StressStepper(network, mode, args.eps, 1, args.num_envs, checkpoint["env_id"], args.split,
+                                      args.seed, torch.device("cpu"), use_graph=False, bucketed=True)
 start = time.time()
 new_sizes, bucket_fraction = [], []
 with torch.no_grad():

@@ -235,8 +235,8 @@ def test_frozen_bucket_sizes_capture_nothing_new_and_still_follow_the_masked_epi
 def test_per_depth_steps_follow_the_masked_episodes_with_less_padding_than_buckets():
     network, obs, goal = random_network_and_batch(seed=1, batch=64)
     eps = eps_between_deltas(network, obs, goal, 0.4)
-    per_depth, masked = (ea.StressStepper(network, mode, eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
-                                          per_depth=True) for mode in ("compact", "masked"))
+    per_depth, masked = (ea.StressStepper(network, mode, eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False)
+                         for mode in ("compact-per-depth", "masked"))
     bucketed = ea.StressStepper(network, "compact", eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
                                 bucketed=True)
     for step in range(40):
@@ -488,7 +488,7 @@ def test_stress_test_freezes_bucket_sizes_after_warmup_unless_told_not_to(monkey
     eager_bucketed = functools.partial(ea.StressStepper, bucketed=True)  # the CUDA-graph path's buckets, on CPU
     monkeypatch.setattr(ea, "StressStepper", lambda *a, **kw: eager_bucketed(*a, **kw))
     def compact_row(**flags):
-        args = ea.Args(stress_env_id="BoxPick-Exact-4-v0", stress_split="train", stress_mode="compact", seed=3,
+        args = ea.Args(stress_env_id="BoxPick-Exact-4-v0", stress_split="train", stress_mode=("compact",), seed=3,
                        stress_warmup=9, stress_samples=3, stress_block=10, stress_min_shrink=0.0,
                        stress_bucket_margin=0.0, **flags)
         return ea.stress_test(network, args, eps, 64, torch.device("cpu"))["modes"]["compact"]
