@@ -954,7 +954,7 @@ class StressStepper:
             self.decision.copy_(decision)
             self.depth.copy_(depth)
             stats = [0] + [int(c) for c in counts] + [0] * (self.num_levels - len(counts))
-            self.rows_run += self.rows_before_stops + sum(counts)  # the redo, as the exact compaction
+            self.rows_run += self.rows_before_stops + sum(stats[1:])  # the redo, as the exact compaction
         self.run_env_step()
         self.rows_run += self.rows_before_stops + sum(sizes_used)
         self.rows_needed += self.rows_before_stops + sum(stats[1:])
