@@ -131,23 +131,17 @@ def test_compacted_and_masked_give_the_same_depths_and_actions(k_min, quantile):
     assert max(counts) > 1
     assert ea.compacted_policy(network, obs, goal, eps, k_min, sizes=(1,) * levels)[3]
 
-
-
-@pytest.mark.parametrize("k_min", [0, 1, 2])
-@pytest.mark.parametrize("quantile", [0.2, 0.5])
-def test_per_depth_compaction_gives_the_masked_depths_and_decisions(k_min, quantile):
-    network, obs, goal = random_network_and_batch()
-    eps = eps_between_deltas(network, obs, goal, quantile, k_min)
-    masked_decision, masked_depth = ea.masked_policy(network, obs, goal, eps, k_min)
-    assert len(masked_depth.unique()) >= 3
-    policy = ea.PerDepthCompaction(network, obs, goal, eps, k_min, use_graph=False, num_sizes=8)  # granule 8
-    for _ in range(2):  # a second call on the same buffers must not read the first one's leftovers
-        counts, sizes = policy()
-        assert torch.equal(policy.depth[:64], masked_depth)
-        assert torch.allclose(policy.decision[:64], masked_decision, atol=1e-5)
+    # sized per depth (PerDepthCompaction, the CUDA-graph path run eagerly), on static buffers
+    policy = ea.PerDepthCompaction(network, obs.clone(), goal.clone(), eps, k_min, use_graph=False, num_sizes=8)
+    for flip in (True, False):  # the rows reversed first: the second call must not read the first one's leftovers
+        policy.obs.copy_(obs.flip(0) if flip else obs)
+        policy.goal.copy_(goal.flip(0) if flip else goal)
+        going, sizes = policy()
+        assert torch.equal(policy.depth[:64], masked_depth.flip(0) if flip else masked_depth)
+        assert torch.allclose(policy.decision[:64], masked_decision.flip(0) if flip else masked_decision, atol=1e-5)
     # the going counts are those of the exact compaction, and each depth ran at its count rounded up to 8 rows
-    assert counts == [int(c) for c in ea.compacted_policy(network, obs, goal, eps, k_min)[2]]
-    assert sizes == [min(64, -(-c // 8) * 8) for c in counts[:len(sizes)]] and min(sizes) < 64
+    assert going == counts
+    assert sizes == [min(64, -(-c // 8) * 8) for c in going[:len(sizes)]] and min(sizes) < 64
     assert set(policy.runs) == {(k, 64) for k in policy.depths} | set(zip(policy.depths[1:], sizes))
 
 
