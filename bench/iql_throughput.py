@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexloop_gciql as gciql  # noqa: E402
 import flexloop_run  # noqa: E402
 from envs import ogbench_data  # noqa: E402
-from profiling import profile_kernels, sync  # noqa: E402
+from profiling import INDUCTOR_HELP, profile_kernels, set_inductor_options, sync  # noqa: E402
 
 
 def synthetic_dataset(env_name, states, trajectory_length, device):
@@ -140,7 +140,9 @@ if __name__ == "__main__":
                         help="streams modes: sample the next batch on a stream of its own, as train() does")
     parser.add_argument("--compile-mode", default=None, help="torch.compile's mode in the compile modes, e.g. "
                         "max-autotune-no-cudagraphs (Triton GEMMs with fused epilogues); train() uses the default")
+    parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE", help=INDUCTOR_HELP)
     cli = parser.parse_args()
+    inductor_options = set_inductor_options(cli.inductor)
     device = torch.device(cli.device)
     torch.backends.cuda.matmul.allow_tf32 = True
     args = gciql.resolve_dataset_defaults(dataclasses.replace(
@@ -150,7 +152,8 @@ if __name__ == "__main__":
     modes = cli.modes or (gpu_modes if device.type == "cuda" else ["eager"])
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "env_name": args.env_name, "depth": args.depth,
-              "hidden_dim": args.hidden_dim, "batch_size": args.batch_size, "bf16": args.bf16}
+              "hidden_dim": args.hidden_dim, "batch_size": args.batch_size, "bf16": args.bf16,
+              "inductor": inductor_options}
     dataset = synthetic_dataset(args.env_name, cli.states, cli.trajectory_length, device)
     for mode in modes:
         for lam in (0.0, args.lambda_depth):

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
 import flexloop_gcppo as gcppo  # noqa: E402
 import flexloop_run  # noqa: E402
-from profiling import grads_written_by_backward, profile_kernels  # noqa: E402
+from profiling import INDUCTOR_HELP, grads_written_by_backward, profile_kernels, set_inductor_options  # noqa: E402
 
 
 def sync(device):
@@ -136,7 +136,9 @@ if __name__ == "__main__":
                         "zero_grad(set_to_none=True): backward writes the gradients, no zeroing and adding")
     parser.add_argument("--profile-compile-mode", default=None, help="torch.compile mode of the profiled update, "
                         "e.g. max-autotune-no-cudagraphs (Triton GEMMs with fused epilogues); train() uses the default")
+    parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE", help=INDUCTOR_HELP)
     cli = parser.parse_args()
+    inductor_options = set_inductor_options(cli.inductor)
 
     device = torch.device("cuda" if torch.cuda.is_available() and not cli.cpu else "cpu")
     on_gpu = device.type == "cuda"  # the script ignores --compile and --cuda-graph on a CPU
@@ -158,6 +160,7 @@ if __name__ == "__main__":
     seconds_per_iteration = {phase: round(batch / sps, 3) for phase, sps in rates.items()}
     print(json.dumps({
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
+        "inductor": inductor_options,
         "num_envs": cli.num_envs, "num_steps": cli.num_steps, "num_minibatches": cli.num_minibatches,
         "update_epochs": cli.update_epochs, "compile": cli.compile and on_gpu, "cuda_graph": cli.cuda_graph and on_gpu,
         "iterations_per_phase": cli.iterations, "env_steps_per_second": rates,

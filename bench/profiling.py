@@ -1,6 +1,37 @@
-"""GPU profiles for the bench scripts: the largest kernels of a step (and, uncaptured, the ops that launch them)."""
+"""GPU profiles for the bench scripts: the largest kernels of a step (and, uncaptured, the ops that launch them),
+and torch.compile's inductor options to try (--inductor KEY=VALUE)."""
+
+import ast
 
 import torch
+
+INDUCTOR_HELP = ("torch._inductor.config options for every compile of the run, e.g. combo_kernels=True "
+                 "aggressive_fusion=True coordinate_descent_tuning=True (a measurement: the scripts use the defaults)")
+
+
+def set_inductor_options(pairs):
+    """Set torch._inductor.config options from KEY=VALUE strings (VALUE a Python literal); return them as a dict
+    for the JSON line. An unknown key or a value of another type is an error, not a silent no-op."""
+    import torch._inductor.config as config
+    options = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"error: --inductor takes KEY=VALUE, got {pair!r} (e.g. combo_kernels=True)")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"error: --inductor {key}: {text!r} is not a Python literal (True, 8, 0.5, 'name')")
+        try:
+            current = getattr(config, key)
+        except AttributeError:
+            raise SystemExit(f"error: --inductor {key}: torch._inductor.config has no such option")
+        if current is not None and not isinstance(value, type(current)):
+            raise SystemExit(f"error: --inductor {key}: expected a {type(current).__name__} like its default "
+                             f"{current!r}, got {value!r}")
+        setattr(config, key, value)
+        options[key] = value
+    return options
 
 
 def sync(device):

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
-from profiling import grads_written_by_backward, profile_kernels, profile_ops, sync  # noqa: E402
+from profiling import (INDUCTOR_HELP, grads_written_by_backward, profile_kernels, profile_ops,  # noqa: E402
+                       set_inductor_options, sync)
 import flexloop_gcdqn as gcdqn  # noqa: E402
 import flexloop_run  # noqa: E402
 
@@ -127,7 +128,9 @@ if __name__ == "__main__":
     parser.add_argument("--fused-adam", action="store_true", help="torch.optim.Adam(fused=True) instead of foreach")
     parser.add_argument("--grads-to-none", action="store_true",
                         help="zero_grad(set_to_none=True) in the update: backward writes the gradients, no zeroing")
+    parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE", help=INDUCTOR_HELP)
     cli = parser.parse_args()
+    inductor_options = set_inductor_options(cli.inductor)
     OPTIMIZER_VARIANT.update(fused_adam=cli.fused_adam, grads_to_none=cli.grads_to_none)
     device = torch.device(cli.device)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -137,7 +140,7 @@ if __name__ == "__main__":
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "depth": args.depth, "hidden_dim": args.hidden_dim,
               "batch_size": args.batch_size, "num_envs": args.num_envs,
-              "bf16": cli.bf16 and device.type == "cuda", **OPTIMIZER_VARIANT}  # a CPU update stays float32
+              "bf16": cli.bf16 and device.type == "cuda", "inductor": inductor_options, **OPTIMIZER_VARIANT}  # a CPU update stays float32
     if not cli.skip_collection:
         for mode in ["eager", "graph", "compile-graph"] if device.type == "cuda" else ["eager"]:
             print(json.dumps({**measure_collection(args, device, cli.collect_episodes, mode), **common}), flush=True)

@@ -863,15 +863,21 @@ def test_every_lightsout_screen_variant_is_flags_the_script_accepts():
 
 def test_throughput_bench_reports_each_phases_logged_rate(tmp_path):
     """bench/ppo_throughput.py reads a real run's charts/SPS per phase, leaving out each phase's first log (its
-    compilation), and refuses a run too short to have a second log."""
+    compilation), and refuses a run too short to have a second log or an inductor option that does not exist."""
     bench = [sys.executable, str(ROOT / "bench" / "ppo_throughput.py"), "--cpu", "--num-envs", "16", "--num-steps",
              "8", "--num-minibatches", "2", "--update-epochs", "1"]
-    done = subprocess.run(bench + ["--iterations", "3"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    done = subprocess.run(bench + ["--iterations", "3", "--inductor", "combo_kernels=True"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
+    assert result["inductor"] == {"combo_kernels": True}  # the JSON line says what it measured
     assert set(result["env_steps_per_second"]) == {"pretrain", "flexloop"}
     for phase, rate in result["env_steps_per_second"].items():
         assert rate > 0
         assert result["seconds_per_iteration"][phase] == pytest.approx(16 * 8 / rate, abs=1e-3)
     refused = subprocess.run(bench + ["--iterations", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert refused.returncode != 0 and "--iterations must be at least 2" in refused.stderr
+    for option, message in [("combo_kernel=True", "has no such option"), ("combo_kernels=1", "expected a bool")]:
+        refused = subprocess.run(bench + ["--inductor", option], capture_output=True, text=True, cwd=tmp_path,
+                                 timeout=60)
+        assert refused.returncode != 0 and message in refused.stderr
