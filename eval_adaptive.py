@@ -725,10 +725,11 @@ class PerDepthCompaction:
     """Compacted adaptive decisions sized one depth at a time, for CUDA graphs (--stress-mode compact-per-depth).
 
     Each depth where rows can stop is one piece of work on static buffers: advance the rows still going, read their
-    heads, write the decisions of the rows that stop, and move the rest to the front of the other buffer set. One
-    host sync then reads how many rows are going, and the next depth runs on that count rounded up to a granule
-    (1/num_sizes of the batch). So the padding is under a granule, with no bucket to outgrow and no batch to redo,
-    at the price of a sync per depth instead of per step. Padding rows carry row index B and write to a sink row B.
+    heads, write the decisions of the rows that stop, and reorder the rows into the other buffer set, the going ones
+    first (a permutation: no two rows write one place). One host sync then reads how many rows are going, and the
+    next depth runs on that count rounded up to a granule (1/num_sizes of the batch). So the padding is under a
+    granule, with no bucket to outgrow and no batch to redo, at the price of a sync per depth instead of per step.
+    Padding rows carry row index B, and their decisions go to a sink row B.
 
     With use_graph each (depth, size) is captured when first met and then replayed; the full size of every depth is
     captured up front, so a frozen policy always has a captured size that holds its count. Call it to fill
@@ -743,17 +744,13 @@ class PerDepthCompaction:
         state = network.start(obs, goal)
         decision = network.decide(state)
 
-        def with_sink(t, batch_dim):  # the batch dimension grown by the sink row
-            shape = list(t.shape)
-            shape[batch_dim] = batch + 1
-            return t.new_zeros(shape)
-
         # Two sets, so that each depth reads the one the depth before wrote (the state's batch is dimension 1).
-        self.states = [tuple(with_sink(t, 1) for t in state) for _ in range(2)]
-        self.previous = [with_sink(decision, 0) for _ in range(2)]
-        self.rows = [torch.full((batch + 1,), batch, dtype=torch.long, device=device) for _ in range(2)]
+        self.states = [tuple(torch.zeros_like(t) for t in state) for _ in range(2)]
+        self.previous = [torch.zeros_like(decision) for _ in range(2)]
+        self.rows = [torch.full((batch,), batch, dtype=torch.long, device=device) for _ in range(2)]
         self.all_rows = torch.arange(batch, device=device)
-        self.decision, self.depth = with_sink(decision, 0), torch.zeros(batch + 1, dtype=torch.long, device=device)
+        self.decision = decision.new_zeros((batch + 1, *decision.shape[1:]))  # + the sink row
+        self.depth = torch.zeros(batch + 1, dtype=torch.long, device=device)
         self.going = torch.zeros((), dtype=torch.long, device=device)
         self.runs, self.frozen = {}, False
         if use_graph:
@@ -788,14 +785,14 @@ class PerDepthCompaction:
         if last:
             return
         going = ~stop & real
-        slot = torch.where(going, going.cumsum(0) - 1, batch)  # the going rows to the front, in order
+        count = going.sum()
+        slot = torch.where(going, going.cumsum(0) - 1, count + (~going).cumsum(0) - 1)  # going rows first, in order
         into = level % 2
         for buffer, t in zip(self.states[into], state):
             buffer.index_copy_(1, slot, t)
         self.previous[into].index_copy_(0, slot, current)
-        self.rows[into][:size].fill_(batch)  # what follows the going rows is padding
-        self.rows[into].index_copy_(0, slot, rows)
-        self.going.copy_(going.sum())
+        self.rows[into].index_copy_(0, slot, torch.where(going, rows, batch))  # the rest become padding
+        self.going.copy_(count)
 
     def run_for(self, k, size):
         if (k, size) not in self.runs:
