@@ -11,8 +11,8 @@ after it, the overflow redos, and the mean bucket size as a fraction of the envs
 overall and as quartiles over the timed blocks of 10 steps: a wide spread there is work that changes from block
 to block (the episodes' phase), which no capture policy removes. rows_run_over_exact is the work the sizes cost:
 rows advanced one recurrent step (redos included) over what exact compaction advances. With --compaction
-per-depth (eval_adaptive.py --stress-mode compact-per-depth) each depth is sized by its own count and "sizes" are (depth,
-size) pairs.
+per-depth (eval_adaptive.py --stress-mode compact-per-depth) each depth is sized by its own count, and the new
+sizes are new (depth, size) pairs.
 """
 
 import argparse
