@@ -750,7 +750,8 @@ class PerDepthCompaction:
         self.rows = [torch.full((batch,), batch, dtype=torch.long, device=device) for _ in range(2)]
         self.all_rows = torch.arange(batch, device=device)
         self.decision = decision.new_zeros((batch + 1, *decision.shape[1:]))  # + the sink row
-        self.depth = torch.zeros(batch + 1, dtype=torch.long, device=device)
+        # Valid before the first call too: capturing the env step runs it on these buffers first.
+        self.depth = torch.full((batch + 1,), network.depth, dtype=torch.long, device=device)
         self.going = torch.zeros((), dtype=torch.long, device=device)
         self.runs, self.frozen = {}, False
         if use_graph:

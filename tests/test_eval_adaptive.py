@@ -233,6 +233,8 @@ def test_per_depth_steps_follow_the_masked_episodes_with_less_padding_than_bucke
                          for mode in ("compact-per-depth", "masked"))
     bucketed = ea.StressStepper(network, "compact", eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu", False,
                                 min_shrink=0.0, margin=0.0, bucketed=True)  # no margin: some steps overflow
+    # capturing the env step's CUDA graph runs it before any policy call: its depths must be valid already
+    assert per_depth.depth.min() >= 1 and per_depth.depth.max() <= K
     for step in range(40):
         if step == 20:
             per_depth.freeze()
