@@ -882,14 +882,13 @@ class StressStepper:
             self.decision, self.depth = self.per_depth.decision[:num_envs], self.per_depth.depth[:num_envs]
         if use_graph:
             generators = [self.generator, self.env.generator]
-            if self.per_depth:
+            if self.per_depth or self.bucketed:  # the policy runs apart, its sizes chosen on the host
                 self.run_env_step = flexloop_run.capture_cuda_graph(self.run_env_step, generators)
-            elif self.bucketed:
-                self.run_env_step = flexloop_run.capture_cuda_graph(self.run_env_step, generators)
-                self.stats_host = torch.zeros_like(self.stats, device="cpu").pin_memory()
-                self.pool = torch.cuda.graph_pool_handle()  # policy graphs share memory: they never overlap
             else:
                 self.run_step = flexloop_run.capture_cuda_graph(self.run_step, generators)
+            if self.bucketed:
+                self.stats_host = torch.zeros_like(self.stats, device="cpu").pin_memory()
+                self.pool = torch.cuda.graph_pool_handle()  # policy graphs share memory: they never overlap
 
     def policy(self):
         if self.mode == "full":
