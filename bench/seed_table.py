@@ -133,10 +133,14 @@ def plot_elasticity(by_label, labels, out, title=None):
         ax.set_xticks(range(1, len(means) + 1))
         ax.grid(alpha=0.3)
     num_seeds = len(by_label[labels[0]])
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(labels), frameon=False)
+    # Long labels wrap onto two columns rather than run off the figure's edges.
+    columns = len(labels) if sum(len(label) for label in labels) <= 70 else 2
+    rows = -(-len(labels) // columns)
+    fig.set_figheight(3.3 + 0.25 * (rows - 1))
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=columns, frameon=False)
     over = f"mean ± std of {num_seeds} seeds" if num_seeds > 1 else "one seed"
     fig.suptitle(title or f"{by_label[labels[0]][0]['env_id']}: success at each fixed depth, {over}")
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, 0.08 * rows, 1, 1))
     fig.savefig(out, dpi=150)
     return fig
 
