@@ -132,9 +132,8 @@ class StressArgs:
     """task split of the stress test (the paper's Table 3: 1.28x on train, 1.34x on unseen tasks)"""
     stress_eps: Optional[float] = None
     """eps of the stress test (default: each checkpoint's calibrated eps)"""
-    stress_mode: tuple[Literal["compact", "compact-per-depth", "masked"], ...] = ("compact", "masked")
-    """adaptive inference to time against full depth, taking turns in one run: compacted active rows (with CUDA
-    graphs sized per step), compacted rows sized per depth, masked rows"""
+    stress_mode: tuple[Literal["compact", "masked"], ...] = ("compact", "masked")
+    """adaptive inference to time against full depth, taking turns in one run: compacted active rows, masked rows"""
     stress_warmup: int = 100
     """untimed env steps per mode first (one BoxPick episode: compile, capture, bucket sizes settle)"""
     stress_samples: int = 50
@@ -721,116 +720,6 @@ def bucket_sizes(recent_counts, batch, margin, min_shrink):
     return tuple(sizes)
 
 
-class PerDepthCompaction:
-    """Compacted adaptive decisions sized one depth at a time, for CUDA graphs (--stress-mode compact-per-depth).
-
-    Each depth where rows can stop is one piece of work on static buffers: advance the rows still going, read their
-    heads, write the decisions of the rows that stop, and reorder the rows into the other buffer set, the going ones
-    first (a permutation: no two rows write one place). One host sync then reads how many rows are going, and the
-    next depth runs on that count rounded up to a granule (1/num_sizes of the batch). So the padding is under a
-    granule, with no bucket to outgrow and no batch to redo, at the price of a sync per depth instead of per step.
-    Padding rows carry row index B, and their decisions go to a sink row B.
-
-    With use_graph each (depth, size) is captured when first met and then replayed; the full size of every depth is
-    captured up front, so a frozen policy always has a captured size that holds its count. Call it to fill
-    decision[:B] and depth[:B]."""
-
-    def __init__(self, network, obs, goal, eps, k_min, use_graph, num_sizes=64):
-        self.network, self.obs, self.goal, self.eps, self.k_min = network, obs, goal, eps, k_min
-        self.use_graph, self.batch = use_graph, obs.shape[0]
-        self.granule = max(1, math.ceil(self.batch / num_sizes))
-        self.depths = list(range(k_min + 1, network.depth + 1))  # the depths where a row can stop
-        batch, device = self.batch, obs.device
-        state = network.start(obs, goal)
-        decision = network.decide(state)
-
-        # Two sets, so that each depth reads the one the depth before wrote (the state's batch is dimension 1).
-        self.states = [tuple(torch.zeros_like(t) for t in state) for _ in range(2)]
-        self.previous = [torch.zeros_like(decision) for _ in range(2)]
-        self.rows = [torch.full((batch,), batch, dtype=torch.long, device=device) for _ in range(2)]
-        self.all_rows = torch.arange(batch, device=device)
-        self.decision = decision.new_zeros((batch + 1, *decision.shape[1:]))  # + the sink row
-        # Valid before the first call too: capturing the env step runs it on these buffers first.
-        self.depth = torch.full((batch + 1,), network.depth, dtype=torch.long, device=device)
-        self.going = torch.zeros((), dtype=torch.long, device=device)
-        self.runs, self.frozen = {}, False
-        if use_graph:
-            self.going_host = torch.zeros((), dtype=torch.long).pin_memory()
-            self.pool = torch.cuda.graph_pool_handle()  # the graphs of one call run one after another
-        for k in self.depths:
-            self.run_for(k, batch)
-
-    @torch.no_grad()
-    def depth_step(self, k, size):
-        """Depth k for the first `size` rows of the set the depth before wrote (the first depth: the whole batch)."""
-        network, batch, level = self.network, self.batch, self.depths.index(k)
-        if level == 0:  # every row is going: the depths before the first possible stop, on the whole batch
-            state = network.start(self.obs, self.goal)
-            previous = network.decide(state) if self.k_min == 0 else None
-            for _ in range(self.k_min):
-                state = network.advance(state)
-            previous = network.decide(state) if self.k_min > 0 else previous
-            rows = self.all_rows
-        else:
-            source = (level - 1) % 2
-            state = tuple(t[:, :size] for t in self.states[source])
-            previous, rows = self.previous[source][:size], self.rows[source][:size]
-        state = network.advance(state)
-        current = network.decide(state)
-        real = rows < batch
-        last = k == self.depths[-1]
-        stop = torch.ones_like(real) if last else network.divergence(current, previous).clamp(min=0) < self.eps
-        target = torch.where(stop & real, rows, batch)  # rows that stop write their decision; the rest, the sink
-        self.decision.index_copy_(0, target, current)
-        self.depth.index_copy_(0, target, torch.full_like(target, k))
-        if last:
-            return
-        going = ~stop & real
-        count = going.sum()
-        slot = torch.where(going, going.cumsum(0) - 1, count + (~going).cumsum(0) - 1)  # going rows first, in order
-        into = level % 2
-        for buffer, t in zip(self.states[into], state):
-            buffer.index_copy_(1, slot, t)
-        self.previous[into].index_copy_(0, slot, current)
-        self.rows[into].index_copy_(0, slot, torch.where(going, rows, batch))  # the rest become padding
-        self.going.copy_(count)
-
-    def run_for(self, k, size):
-        if (k, size) not in self.runs:
-            work = lambda: self.depth_step(k, size)  # noqa: E731
-            self.runs[k, size] = flexloop_run.capture_cuda_graph(work, [], pool=self.pool, warmup=1) \
-                if self.use_graph else work
-        return self.runs[k, size]
-
-    def size_for(self, k, count):
-        """count rounded up to the granule; once frozen, the smallest captured size of depth k that holds it."""
-        size = min(self.batch, math.ceil(count / self.granule) * self.granule)
-        if self.frozen and (k, size) not in self.runs:
-            size = min(s for depth, s in self.runs if depth == k and s >= size)
-        return size
-
-    def going_count(self):
-        if not self.use_graph:
-            return int(self.going)
-        self.going_host.copy_(self.going, non_blocking=True)
-        torch.cuda.current_stream().synchronize()  # the one sync per depth
-        return int(self.going_host)
-
-    def __call__(self):
-        """The going count after each depth but the last, and the sizes the depths after the first ran at."""
-        size, counts, sizes = self.batch, [], []
-        for k in self.depths:
-            self.run_for(k, size)()
-            if k == self.depths[-1]:
-                break
-            counts.append(self.going_count())
-            if counts[-1] == 0:  # every row has its decision: the deeper depths have nothing to do
-                break
-            size = self.size_for(k + 1, counts[-1])
-            sizes.append(size)
-        return counts, sizes
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Wall-clock stress test: whole env steps (policy, act, env.step), CUDA-synchronised.
 # ---------------------------------------------------------------------------------------------------------
@@ -838,14 +727,12 @@ MAX_POLICY_GRAPHS = 64  # distinct bucket sizes captured per stepper, at most
 
 
 class StressStepper:
-    """Whole env steps for one inference mode (full, masked, compact, compact-per-depth), eager or replayed from
-    CUDA graphs.
+    """Whole env steps for one inference mode (full, masked, compact), eager or replayed from CUDA graphs.
 
     Eager compact mode compacts to exact counts (one host sync per depth). With CUDA graphs, full and masked replay
     one graph per step, and compact runs `bucketed`: a policy graph for its current compacted sizes, then one sync
     to read the going counts and the overflow flag, an exact redo of the batch on overflow, then the act + env.step
     graph; the sizes follow the last 10 steps' counts. (bucketed=True without graphs runs the same logic eagerly.)
-    compact-per-depth sizes each depth by its own count instead (PerDepthCompaction), eager or graphed.
 
     rows_run / rows_needed count the rows advanced through one recurrent step, against the exact compaction's."""
 
@@ -854,8 +741,7 @@ class StressStepper:
         self.network, self.mode, self.eps, self.k_min, self.min_shrink, self.margin = \
             network, mode, eps, k_min, min_shrink, margin
         self.use_graph, self.num_envs = use_graph, num_envs
-        per_depth = mode == "compact-per-depth"
-        self.bucketed = not per_depth and (use_graph and mode == "compact" if bucketed is None else bucketed)
+        self.bucketed = use_graph and mode == "compact" if bucketed is None else bucketed
         self.env = envs.make_vec(env_id, num_envs, device=device, split=split, seed=seed, check_actions=False).unwrapped
         self.generator = torch.Generator(device).manual_seed(seed)
         obs, _ = self.env.reset()
@@ -876,13 +762,9 @@ class StressStepper:
         self.stats = torch.zeros(1 + self.num_levels, dtype=torch.long, device=device)
         self.run_step = lambda: self.env_step(*self.policy())
         self.run_env_step = lambda: self.env_step(self.decision, self.depth)
-        self.per_depth, self.depth_sizes = None, []
-        if per_depth:
-            self.per_depth = PerDepthCompaction(network, self.obs, self.goal, eps, k_min, use_graph)
-            self.decision, self.depth = self.per_depth.decision[:num_envs], self.per_depth.depth[:num_envs]
         if use_graph:
             generators = [self.generator, self.env.generator]
-            if self.per_depth or self.bucketed:  # the policy runs apart, its sizes chosen on the host
+            if self.bucketed:  # the policy runs apart, its sizes chosen on the host
                 self.run_env_step = flexloop_run.capture_cuda_graph(self.run_env_step, generators)
             else:
                 self.run_step = flexloop_run.capture_cuda_graph(self.run_step, generators)
@@ -918,18 +800,10 @@ class StressStepper:
         self.stats.copy_(torch.stack([overflow.long(), *counts, *skipped]))
 
     def step(self):
-        if self.per_depth:
-            self.step_per_depth()
-        elif self.bucketed:
+        if self.bucketed:
             self.step_bucketed()
         else:
             self.run_step()
-
-    def step_per_depth(self):
-        counts, self.depth_sizes = self.per_depth()
-        self.run_env_step()
-        self.rows_run += self.rows_before_stops + sum(self.depth_sizes)
-        self.rows_needed += self.rows_before_stops + sum(counts)
 
     def step_bucketed(self):
         sizes_used = self.sizes
@@ -970,14 +844,12 @@ class StressStepper:
     def freeze(self):
         """--stress-freeze-sizes: no new bucket sizes from now on, the next step's included."""
         self.freeze_sizes = True
-        if self.per_depth:
-            self.per_depth.frozen = True
         if self.bucketed and self.sizes not in self.policy_runs:
             self.sizes = self.captured_sizes_holding(self.sizes)
 
     def captured_policies(self):
         """The policy graphs (eager: the policy functions) of compact mode so far."""
-        return len(self.per_depth.runs) if self.per_depth else len(self.policy_runs) if self.bucketed else 0
+        return len(self.policy_runs) if self.bucketed else 0
 
     def report(self):
         counts = self.depth_counts.double().cpu()

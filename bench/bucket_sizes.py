@@ -2,7 +2,6 @@
 
     python bench/bucket_sizes.py --checkpoint checkpoints/BoxPick-Generalize-4-1-v0__gen-flax__1__*/final.pt --split train
     python bench/bucket_sizes.py --checkpoint ... --split train --freeze      # as --stress-freeze-sizes
-    python bench/bucket_sizes.py --checkpoint ... --split train --freeze --compaction per-depth
 
 On a GPU, compact mode (eval_adaptive.py --stress-envs, CUDA graphs) captures one policy graph per set of bucket
 sizes, and a capture inside a timed block slows that block. The bucket logic does not depend on the device, so
@@ -10,9 +9,7 @@ this runs it eagerly (bucketed, no graphs) and prints JSON: the new sizes met in
 after it, the overflow redos, and the mean bucket size as a fraction of the envs (the compute the buckets keep),
 overall and as quartiles over the timed blocks of 10 steps: a wide spread there is work that changes from block
 to block (the episodes' phase), which no capture policy removes. rows_run_over_exact is the work the sizes cost:
-rows advanced one recurrent step (redos included) over what exact compaction advances. With --compaction
-per-depth (eval_adaptive.py --stress-mode compact-per-depth) each depth is sized by its own count, and the new
-sizes are new (depth, size) pairs.
+rows advanced one recurrent step (redos included) over what exact compaction advances.
 """
 
 import argparse
@@ -36,16 +33,13 @@ parser.add_argument("--warmup", type=int, default=100, help="as eval_adaptive.py
 parser.add_argument("--steps", type=int, default=500, help="the steps a stress test times (50 samples of 10)")
 parser.add_argument("--freeze", action="store_true", help="no new sizes after the warm-up, as eval_adaptive.py by default "
                     "(without it: as --no-stress-freeze-sizes)")
-parser.add_argument("--compaction", choices=("per-step", "per-depth"), default="per-step",
-                    help="per-depth: as eval_adaptive.py --stress-mode compact-per-depth")
 parser.add_argument("--seed", type=int, default=1)
 args = parser.parse_args()
 
 module, checkpoint = flexloop_run.load_any_checkpoint(args.checkpoint)
 network, _ = module.network_from_checkpoint(checkpoint, torch.device("cpu"))
 network.eval().requires_grad_(False)
-mode = "compact-per-depth" if args.compaction == "per-depth" else "compact"
-stepper = eval_adaptive.StressStepper(network, mode, args.eps, 1, args.num_envs, checkpoint["env_id"], args.split,
+stepper = eval_adaptive.StressStepper(network, "compact", args.eps, 1, args.num_envs, checkpoint["env_id"], args.split,
                                       args.seed, torch.device("cpu"), use_graph=False, bucketed=True)
 start = time.time()
 new_sizes, bucket_fraction = [], []
@@ -58,7 +52,6 @@ with torch.no_grad():
         captured, sizes = stepper.captured_policies(), stepper.sizes
         stepper.step()
         new_sizes.append(stepper.captured_policies() - captured)
-        sizes = stepper.depth_sizes if stepper.per_depth else sizes  # per-depth: the sizes this step ran at
         bucket_fraction.append(sum(sizes) / (args.num_envs * max(stepper.num_levels, 1)))
 timed = new_sizes[args.warmup:]
 block_fractions = sorted(sum(bucket_fraction[i:i + 10]) / 10 for i in range(args.warmup, args.warmup + args.steps, 10))
@@ -70,5 +63,5 @@ print(json.dumps({
     "overflow_steps": stepper.overflow_steps,
     "mean_bucket_fraction_after_warmup": sum(bucket_fraction[args.warmup:]) / args.steps,
     "block_bucket_fraction_q25_median_q75": [block_fractions[int(q * (len(block_fractions) - 1))] for q in (0.25, 0.5, 0.75)],
-    "rows_run_over_exact": stepper.report()["rows_run_over_exact"], "compaction": args.compaction,
+    "rows_run_over_exact": stepper.report()["rows_run_over_exact"],
     "mean_depth": stepper.report()["mean_depth"], "seconds": round(time.time() - start, 1)}))
