@@ -257,3 +257,17 @@ def test_runs_per_gpu_refuses_a_missing_key_a_failing_copy_and_no_command():
     assert failing.returncode == 1 and "exited with 1" in failing.stderr and "no GPU here" in failing.stderr
     empty = run_runs_per_gpu("--key", "rate")
     assert empty.returncode == 2 and "give the bench's command after --" in empty.stderr
+
+
+def test_seed_table_plot_keeps_long_legends_inside_the_figure(tmp_path):
+    import matplotlib.pyplot as plt
+    seed_table = load_bench("seed_table")
+    labels = ["Self-TD-Only-5M+1M", "FlexLoop-lambda-0.1-5M+1M", "FlexLoop-lambda-0.3-5M+1M", "FlexLoop-5M+1M"]
+    write_eval_adaptive_results(tmp_path / "s1.json", labels, [0.6, 0.7, 0.8, 0.9], 2.0)
+    fig = seed_table.plot_elasticity(seed_table.load([tmp_path / "s1.json"]), labels, tmp_path / "long.png")
+    renderer = fig.canvas.get_renderer()
+    legend, figure_box = fig.legends[0].get_window_extent(renderer), fig.bbox
+    assert figure_box.x0 <= legend.x0 and legend.x1 <= figure_box.x1  # no label runs off an edge
+    for ax in fig.axes:  # and the legend sits below the panels' x labels, not over them
+        assert legend.y1 <= ax.get_tightbbox(renderer).y0
+    plt.close("all")
