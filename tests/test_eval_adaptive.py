@@ -466,6 +466,46 @@ def test_bucket_sizes_bench_counts_new_sizes_and_freezing_stops_them(checkpoints
     assert 0 < q25 <= median <= q75 <= 1
 
 
+def test_stress_profile_bench_splits_each_modes_step_by_kind_of_kernel(checkpoints, capsys):
+    """bench/stress_profile.py on a CPU (ATen ops for kernels): with every row stopping at its first chance, compact
+    mode runs fewer matmuls than full depth and masked more, and the kinds add up to the device time."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import stress_profile
+    stress_profile.main(["--checkpoint", str(checkpoints[1]), "--eps", "1e9", "--num-envs", "16", "--warmup", "2",
+                         "--steps", "2", "--profile-steps", "2", "--device", "cpu"])
+    modes = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["modes"]
+    assert modes["full"]["mean_depth"] == K and modes["compact"]["mean_depth"] == modes["masked"]["mean_depth"] == 2
+    matmuls = {mode: row["kernels_per_step_by_kind"]["matmul"] for mode, row in modes.items()}
+    assert 0 < matmuls["compact"] < matmuls["full"] < matmuls["masked"]
+    for mode, row in modes.items():
+        assert sum(row["ms_per_step_by_kind"].values()) == pytest.approx(row["device_ms_per_step"])
+        assert row["wall_ms_per_step"] > 0 and row["largest"]
+    assert modes["compact"]["ideal_speedup"] == pytest.approx(K / 2)
+    assert set(modes["compact"]["ms_by_kind_over_full"]) == set(modes["full"]["ms_per_step_by_kind"])
+    with pytest.raises(ValueError, match="0 <= k_min < K = 5"):
+        stress_profile.main(["--checkpoint", str(checkpoints[1]), "--eps", "0.1", "--k-min", "5", "--device", "cpu"])
+
+
+def test_stress_profile_sorts_gpu_kernels_by_kind():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from stress_profile import kernel_kind
+    assert kernel_kind("sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize128x128x32") == "matmul"
+    assert kernel_kind("nvjet_tst_128x64_64x8_1x2_h_bz_TNN") == "matmul"
+    assert kernel_kind("void splitKreduce_kernel<32, 16, int, float, float>(...)") == "matmul"
+    assert kernel_kind("void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<...>>(...)") \
+        == "gather and copy"
+    assert kernel_kind("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, unsigned int, 4>(...)") \
+        == "gather and copy"
+    assert kernel_kind("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<"
+                       "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>>(...)") == "gather and copy"
+    assert kernel_kind("void at::native::vectorized_elementwise_kernel<4, at::native::sigmoid_kernel_cuda("
+                       "at::TensorIteratorBase&)::{lambda()#2}>(...)") == "elementwise and reductions"
+    assert kernel_kind("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>(...)") \
+        == "elementwise and reductions"
+    assert kernel_kind("triton_poi_fused_add_mul_sigmoid_tanh_0") == "elementwise and reductions"
+    assert kernel_kind("aten::bmm") == "matmul" and kernel_kind("aten::index") == "gather and copy"
+
+
 def test_stress_test_times_a_checkpoint_on_its_own_env(checkpoints, tmp_path, capsys):
     """An Exact-3 policy is timed on Exact-3 (not on the paper's Exact-4), and naming another env is refused."""
     other = torch.load(checkpoints[1], weights_only=True)

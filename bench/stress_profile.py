@@ -1,0 +1,141 @@
+"""Where the stress test's env step spends its time, per inference mode (BoxPick, gcdqn checkpoints).
+
+    python bench/stress_profile.py --checkpoint checkpoints/BoxPick-Exact-4-v0__ref__1__1795763631/final.pt \
+        --eps 0.02 --split train --num-envs 32768
+    python bench/stress_profile.py --checkpoint ... --eps 0.02 --split train --num-envs 32768 --compile
+
+eval_adaptive.py's stress test reports how much faster adaptive depth makes a step against the ideal K / mean depth.
+This says why it falls short. It runs the same steppers (full depth, compact, masked; on a GPU, CUDA graphs and
+bucket sizes frozen after the warm-up, as the stress test), times --steps steps of each, then profiles
+--profile-steps more. Per mode it prints: wall ms per step; device ms per step (the kernels' summed time; the rest
+of the wall clock is the GPU waiting for the host: syncs, launches); kernels per step; device ms per step by kind
+of kernel (matmul; gather and copy; elementwise and reductions); and the largest kernels. Adaptive depth shortens
+the matmuls and the elementwise work of the depths it skips; the gathers, the decisions at every depth and the
+host's sync are what it adds. Prints one JSON line. On a CPU the "kernels" are the ATen ops' own CPU time.
+"""
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import eval_adaptive  # noqa: E402
+import flexloop_run  # noqa: E402
+
+# Matched against a kernel's whole demangled name, whose template arguments name the functor (on a CPU, ATen op names).
+KERNEL_KINDS = (
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|splitK|^triton_tem|aten::(bmm|mm|addmm|matmul|linear)\b",
+                          re.I)),
+    ("gather and copy", re.compile(r"index|gather|scatter|CatArray|aten::cat\b|copy|scan|cumsum|nonzero|sort", re.I)),
+)
+OTHER_KIND = "elementwise and reductions"
+
+
+def kernel_kind(name):
+    """The kind of a kernel, from its name: 'void at::native::index_elementwise_kernel<...>(...)' is a gather, an
+    elementwise kernel of 'direct_copy_kernel_cuda' a copy."""
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), OTHER_KIND)
+
+
+def profile_steps(stepper, steps, device):
+    """Device time per step by kernel kind, kernels per step, and the five largest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    on_gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            stepper.step()
+        if on_gpu:
+            torch.cuda.synchronize()
+    kind = "CUDA" if on_gpu else "CPU"
+    events = [e for e in prof.key_averages() if e.device_type.name == kind]
+    self_us = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    events = [e for e in events if self_us(e) > 0]
+    kinds = [name for name, _ in KERNEL_KINDS] + [OTHER_KIND]
+    by_kind, count_by_kind = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
+    for event in events:
+        by_kind[kernel_kind(event.key)] += self_us(event) / steps / 1000
+        count_by_kind[kernel_kind(event.key)] += event.count / steps
+    total = sum(by_kind.values())
+    events.sort(key=self_us, reverse=True)
+    largest = [{"kernel": e.key[:90], "kind": kernel_kind(e.key), "share": round(self_us(e) / steps / 1000 / total, 3)}
+               for e in events[:5]]
+    return {"device_ms_per_step": total, "ms_per_step_by_kind": by_kind,
+            "kernels_per_step": sum(count_by_kind.values()), "kernels_per_step_by_kind": count_by_kind,
+            "largest": largest}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", required=True, help="a gcdqn checkpoint (BoxPick)")
+    parser.add_argument("--eps", type=float, required=True, help="the stopping threshold, e.g. the run's calibrated eps")
+    parser.add_argument("--split", choices=("train", "unseen"), default="train")
+    parser.add_argument("--num-envs", type=int, default=32768)
+    parser.add_argument("--modes", nargs="+", choices=("compact", "masked"), default=["compact", "masked"],
+                        help="adaptive modes profiled beside full depth")
+    parser.add_argument("--k-min", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=100, help="as eval_adaptive.py --stress-warmup")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per mode (wall clock)")
+    parser.add_argument("--profile-steps", type=int, default=20, help="profiled steps per mode, after the timed ones")
+    parser.add_argument("--compile", action="store_true", help="torch.compile advance and decide, as --compile there")
+    parser.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = True  # as eval_adaptive.py runs
+    module, checkpoint = flexloop_run.load_any_checkpoint(args.checkpoint)
+    if checkpoint["algorithm"] != "gcdqn":
+        raise SystemExit(f"error: {args.checkpoint} is a {checkpoint['algorithm']} checkpoint; the stress test "
+                         f"drives gcdqn checkpoints on BoxPick")
+    network, _ = module.network_from_checkpoint(checkpoint, device)
+    network.eval().requires_grad_(False)
+    eval_adaptive.check_k_min(args.k_min, network.depth, args.checkpoint)
+    if args.compile:
+        network.advance, network.decide = torch.compile(network.advance), torch.compile(network.decide)
+    use_graph = args.cuda_graph and device.type == "cuda"
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    modes = {}
+    with torch.no_grad():
+        for mode in ["full", *dict.fromkeys(args.modes)]:
+            stepper = eval_adaptive.StressStepper(network, mode, args.eps, args.k_min, args.num_envs,
+                                                  checkpoint["env_id"], args.split, args.seed, device, use_graph)
+            for _ in range(args.warmup):
+                stepper.step()
+            stepper.freeze()  # as the stress test: no capture while timed or profiled
+            stepper.depth_counts.zero_()
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                stepper.step()
+            sync()
+            wall = (time.perf_counter() - start) / args.steps * 1000
+            profiled = profile_steps(stepper, args.profile_steps, device)
+            modes[mode] = {"wall_ms_per_step": wall, "mean_depth": stepper.report()["mean_depth"],
+                           "device_busy_fraction": profiled["device_ms_per_step"] / wall, **profiled}
+            del stepper
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    full = modes["full"]
+    for mode in args.modes:
+        row = modes[mode]
+        row["speedup"] = full["wall_ms_per_step"] / row["wall_ms_per_step"]
+        row["ideal_speedup"] = network.depth / row["mean_depth"]
+        # each kind's device time against full depth's: the depth-bound kinds should fall to mean depth / K
+        row["ms_by_kind_over_full"] = {kind: (ms / full["ms_per_step_by_kind"][kind]
+                                              if full["ms_per_step_by_kind"][kind] else None)
+                                       for kind, ms in row["ms_per_step_by_kind"].items()}
+    print(json.dumps({"checkpoint": args.checkpoint, "env_id": checkpoint["env_id"], "split": args.split,
+                      "eps": args.eps, "num_envs": args.num_envs, "k_min": args.k_min, "compile": args.compile,
+                      "cuda_graph": use_graph, "device": torch.cuda.get_device_name() if device.type == "cuda"
+                      else "cpu", "steps": args.steps, "profile_steps": args.profile_steps, "modes": modes}))
+
+
+if __name__ == "__main__":
+    main()
