@@ -377,13 +377,16 @@ class IRUNetwork(nn.Module):
             return self.head(readout.float())[..., 0]
 
     def all_depths(self, obs, goal, action=None):
-        """Q of every depth, (K, E, B, A); with `action` (B,), Q at that action alone, (K, E, B, 1)."""
+        """Q of every depth, (K, E, B, A); with `action` (B,), Q at that action alone, (K, E, B, 1). The head reads
+        the K states stacked, so it is one matmul over all depths (forward and backward) instead of K small ones."""
         state = self.start(obs, goal, action)
-        q_per_depth = []
+        readouts = []
         for _ in range(self.depth):
             state = self.advance(state)
-            q_per_depth.append(self.q_values(state))
-        return torch.stack(q_per_depth)
+            readouts.append(self.readout(state))
+        stacked = torch.stack(readouts, 1)  # (E, K, B, A, d): the head's critics stay the first dimension
+        with torch.autocast(stacked.device.type, enabled=False):  # as q_values: the heads in float32
+            return self.head(stacked.float())[..., 0].transpose(0, 1)
 
     def state_after(self, obs, goal, depth):
         """The recurrent state after `depth` steps, without reading the heads on the way."""

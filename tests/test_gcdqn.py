@@ -68,6 +68,36 @@ def test_iru_matches_hand_computation(variant):
             torch.testing.assert_close(q[:, 0, row, action], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backbone", ["iru", "lstm"])
+def test_all_depths_reads_the_stacked_heads_as_each_depth_alone(backbone):
+    """all_depths reads the head once over the K stacked states: the same Q and the same gradients as reading it
+    after each step, for every action and for the taken action alone."""
+    args = dataclasses.replace(gcdqn.Args(), depth=3, hidden_dim=8, backbone=backbone)
+    network = gcdqn.build_network(args, torch.device("cpu"))
+    obs, goal = torch.randint(0, 12, (5, 36)), torch.randint(0, 12, (5, 36))
+    action = torch.randint(0, 6, (5,))
+    weights = torch.randn(3, 2, 5, 6)  # a loss that weighs every depth, critic, row and action differently
+    for taken in (None, action):
+        def one_depth_at_a_time():
+            state, q = network.start(obs, goal, taken), []
+            for _ in range(network.depth):
+                state = network.advance(state)
+                q.append(network.q_values(state))
+            return torch.stack(q)
+        gradients = []
+        for q_of in (lambda: network.all_depths(obs, goal, taken), one_depth_at_a_time):
+            network.zero_grad()
+            q = q_of()
+            (q * weights[..., :q.shape[-1]]).sum().backward()
+            gradients.append((q.detach(), [p.grad.clone() for p in network.parameters() if p.grad is not None]))
+        (stacked, stacked_grads), (alone, alone_grads) = gradients
+        assert stacked.shape == alone.shape == (3, 2, 5, 6 if taken is None else 1)
+        torch.testing.assert_close(stacked, alone)
+        assert len(stacked_grads) == len(alone_grads) > 0
+        for a, b in zip(stacked_grads, alone_grads):
+            torch.testing.assert_close(a, b)
+
+
 def test_forget_gate_bias_starts_at_one():
     network = gcdqn.IRUNetwork(hidden_dim=8)
     assert torch.all(network.gates.bias[..., :8] == 1.0)
