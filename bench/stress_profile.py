@@ -72,7 +72,8 @@ def profile_steps(stepper, steps, device):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True, help="a gcdqn checkpoint (BoxPick)")
-    parser.add_argument("--eps", type=float, required=True, help="the stopping threshold, e.g. the run's calibrated eps")
+    parser.add_argument("--eps", type=float, required=True,
+                        help="the stopping threshold, e.g. the run's calibrated eps")
     parser.add_argument("--split", choices=("train", "unseen"), default="train")
     parser.add_argument("--num-envs", type=int, default=32768)
     parser.add_argument("--modes", nargs="+", choices=("compact", "masked"), default=["compact", "masked"],
