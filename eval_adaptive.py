@@ -766,11 +766,10 @@ class StressStepper:
             generators = [self.generator, self.env.generator]
             if self.bucketed:  # the policy runs apart, its sizes chosen on the host
                 self.run_env_step = flexloop_run.capture_cuda_graph(self.run_env_step, generators)
-            else:
-                self.run_step = flexloop_run.capture_cuda_graph(self.run_step, generators)
-            if self.bucketed:
                 self.stats_host = torch.zeros_like(self.stats, device="cpu").pin_memory()
                 self.pool = torch.cuda.graph_pool_handle()  # policy graphs share memory: they never overlap
+            else:
+                self.run_step = flexloop_run.capture_cuda_graph(self.run_step, generators)
 
     def policy(self):
         if self.mode == "full":

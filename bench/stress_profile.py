@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import eval_adaptive  # noqa: E402
 import flexloop_run  # noqa: E402
+from profiling import sync  # noqa: E402
 
 # Matched against a kernel's whole demangled name, whose template arguments name the functor (on a CPU, ATen op names).
 KERNEL_KINDS = (
@@ -49,8 +50,7 @@ def profile_steps(stepper, steps, device):
     with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             stepper.step()
-        if on_gpu:
-            torch.cuda.synchronize()
+        sync(device)
     kind = "CUDA" if on_gpu else "CPU"
     events = [e for e in prof.key_averages() if e.device_type.name == kind]
     self_us = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
@@ -100,7 +100,6 @@ def main(argv=None):
     if args.compile:
         network.advance, network.decide = torch.compile(network.advance), torch.compile(network.decide)
     use_graph = args.cuda_graph and device.type == "cuda"
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     modes = {}
     with torch.no_grad():
@@ -111,11 +110,11 @@ def main(argv=None):
                 stepper.step()
             stepper.freeze()  # as the stress test: no capture while timed or profiled
             stepper.depth_counts.zero_()
-            sync()
+            sync(device)
             start = time.perf_counter()
             for _ in range(args.steps):
                 stepper.step()
-            sync()
+            sync(device)
             wall = (time.perf_counter() - start) / args.steps * 1000
             profiled = profile_steps(stepper, args.profile_steps, device)
             modes[mode] = {"wall_ms_per_step": wall, "mean_depth": stepper.report()["mean_depth"],

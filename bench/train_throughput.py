@@ -140,7 +140,8 @@ if __name__ == "__main__":
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "depth": args.depth, "hidden_dim": args.hidden_dim,
               "batch_size": args.batch_size, "num_envs": args.num_envs,
-              "bf16": cli.bf16 and device.type == "cuda", "inductor": inductor_options, **OPTIMIZER_VARIANT}  # a CPU update stays float32
+              "bf16": cli.bf16 and device.type == "cuda",  # a CPU update stays float32
+              "inductor": inductor_options, **OPTIMIZER_VARIANT}
     if not cli.skip_collection:
         for mode in ["eager", "graph", "compile-graph"] if device.type == "cuda" else ["eager"]:
             print(json.dumps({**measure_collection(args, device, cli.collect_episodes, mode), **common}), flush=True)
