@@ -11,7 +11,13 @@ bucket sizes frozen after the warm-up, as the stress test), times --steps steps 
 of the wall clock is the GPU waiting for the host: syncs, launches); kernels per step; device ms per step by kind
 of kernel (matmul; gather and copy; elementwise and reductions); and the largest kernels. Adaptive depth shortens
 the matmuls and the elementwise work of the depths it skips; the gathers, the decisions at every depth and the
-host's sync are what it adds. Prints one JSON line. On a CPU the "kernels" are the ATen ops' own CPU time.
+host's sync are what it adds.
+
+It also times the part of a step that adaptive depth cannot shorten, the action and env.step with the decisions
+held fixed ("env", replayed from its own CUDA graph as compact mode runs it). With it each adaptive mode also gets
+the policy's own speed-up, (full - env) / (mode - env), beside K / mean depth, and the whole step's ideal once the
+env's time is counted: full / (env + (full - env) * mean depth / K). Prints one JSON line. On a CPU the "kernels"
+are the ATen ops' own CPU time.
 """
 
 import argparse
@@ -43,13 +49,13 @@ def kernel_kind(name):
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), OTHER_KIND)
 
 
-def profile_steps(stepper, steps, device):
-    """Device time per step by kernel kind, kernels per step, and the five largest kernels."""
+def profile_steps(step, steps, device):
+    """Device time per call of step() by kernel kind, kernels per call, and the five largest kernels."""
     from torch.profiler import ProfilerActivity, profile
     on_gpu = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            stepper.step()
+            step()
         sync(device)
     kind = "CUDA" if on_gpu else "CPU"
     events = [e for e in prof.key_averages() if e.device_type.name == kind]
@@ -101,32 +107,48 @@ def main(argv=None):
         network.advance, network.decide = torch.compile(network.advance), torch.compile(network.decide)
     use_graph = args.cuda_graph and device.type == "cuda"
 
+    def timed_and_profiled(step):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        sync(device)
+        wall = (time.perf_counter() - start) / args.steps * 1000
+        profiled = profile_steps(step, args.profile_steps, device)
+        return {"wall_ms_per_step": wall, "device_busy_fraction": profiled["device_ms_per_step"] / wall, **profiled}
+
+    def new_stepper(mode, bucketed=None):
+        return eval_adaptive.StressStepper(network, mode, args.eps, args.k_min, args.num_envs, checkpoint["env_id"],
+                                           args.split, args.seed, device, use_graph, bucketed=bucketed)
+
     modes = {}
     with torch.no_grad():
         for mode in ["full", *dict.fromkeys(args.modes)]:
-            stepper = eval_adaptive.StressStepper(network, mode, args.eps, args.k_min, args.num_envs,
-                                                  checkpoint["env_id"], args.split, args.seed, device, use_graph)
+            stepper = new_stepper(mode)
             for _ in range(args.warmup):
                 stepper.step()
             stepper.freeze()  # as the stress test: no capture while timed or profiled
             stepper.depth_counts.zero_()
-            sync(device)
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                stepper.step()
-            sync(device)
-            wall = (time.perf_counter() - start) / args.steps * 1000
-            profiled = profile_steps(stepper, args.profile_steps, device)
-            modes[mode] = {"wall_ms_per_step": wall, "mean_depth": stepper.report()["mean_depth"],
-                           "device_busy_fraction": profiled["device_ms_per_step"] / wall, **profiled}
+            row = timed_and_profiled(stepper.step)
+            modes[mode] = {"mean_depth": stepper.report()["mean_depth"], **row}
             del stepper
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        # bucketed: the action and env.step are captured apart from the policy, as compact mode replays them
+        stepper = new_stepper("full", bucketed=use_graph)
+        for _ in range(args.warmup):
+            stepper.run_env_step()
+        env = timed_and_profiled(stepper.run_env_step)
+        del stepper
     full = modes["full"]
+    policy_full_ms = full["wall_ms_per_step"] - env["wall_ms_per_step"]
     for mode in args.modes:
         row = modes[mode]
         row["speedup"] = full["wall_ms_per_step"] / row["wall_ms_per_step"]
         row["ideal_speedup"] = network.depth / row["mean_depth"]
+        row["policy_speedup"] = policy_full_ms / (row["wall_ms_per_step"] - env["wall_ms_per_step"])
+        row["ideal_speedup_with_env"] = full["wall_ms_per_step"] / (
+            env["wall_ms_per_step"] + policy_full_ms * row["mean_depth"] / network.depth)
         # each kind's device time against full depth's: the depth-bound kinds should fall to mean depth / K
         row["ms_by_kind_over_full"] = {kind: (ms / full["ms_per_step_by_kind"][kind]
                                               if full["ms_per_step_by_kind"][kind] else None)
@@ -134,7 +156,7 @@ def main(argv=None):
     print(json.dumps({"checkpoint": args.checkpoint, "env_id": checkpoint["env_id"], "split": args.split,
                       "eps": args.eps, "num_envs": args.num_envs, "k_min": args.k_min, "compile": args.compile,
                       "cuda_graph": use_graph, "device": torch.cuda.get_device_name() if device.type == "cuda"
-                      else "cpu", "steps": args.steps, "profile_steps": args.profile_steps, "modes": modes}))
+                      else "cpu", "steps": args.steps, "profile_steps": args.profile_steps, "modes": modes, "env": env}))
 
 
 if __name__ == "__main__":

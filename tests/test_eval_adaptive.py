@@ -468,12 +468,14 @@ def test_bucket_sizes_bench_counts_new_sizes_and_freezing_stops_them(checkpoints
 
 def test_stress_profile_bench_splits_each_modes_step_by_kind_of_kernel(checkpoints, capsys):
     """bench/stress_profile.py on a CPU (ATen ops for kernels): with every row stopping at its first chance, compact
-    mode runs fewer matmuls than full depth and masked more, and the kinds add up to the device time."""
+    mode runs fewer matmuls than full depth and masked more, the kinds add up to the device time, and the env row
+    (action and env.step alone) runs none of the policy's matmuls."""
     sys.path.insert(0, str(ROOT / "bench"))
     import stress_profile
     stress_profile.main(["--checkpoint", str(checkpoints[1]), "--eps", "1e9", "--num-envs", "16", "--warmup", "2",
                          "--steps", "2", "--profile-steps", "2", "--device", "cpu"])
-    modes = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["modes"]
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    modes = report["modes"]
     assert modes["full"]["mean_depth"] == K and modes["compact"]["mean_depth"] == modes["masked"]["mean_depth"] == 2
     matmuls = {mode: row["kernels_per_step_by_kind"]["matmul"] for mode, row in modes.items()}
     assert 0 < matmuls["compact"] < matmuls["full"] < matmuls["masked"]
@@ -482,6 +484,12 @@ def test_stress_profile_bench_splits_each_modes_step_by_kind_of_kernel(checkpoin
         assert row["wall_ms_per_step"] > 0 and row["largest"]
     assert modes["compact"]["ideal_speedup"] == pytest.approx(K / 2)
     assert set(modes["compact"]["ms_by_kind_over_full"]) == set(modes["full"]["ms_per_step_by_kind"])
+    # the env row is the action and env.step alone: no matmul of the policy in it
+    env = report["env"]
+    assert env["kernels_per_step_by_kind"]["matmul"] == 0 and env["kernels_per_step"] > 0 and env["wall_ms_per_step"] > 0
+    full_ms, env_ms, compact = modes["full"]["wall_ms_per_step"], env["wall_ms_per_step"], modes["compact"]
+    assert compact["policy_speedup"] == pytest.approx((full_ms - env_ms) / (compact["wall_ms_per_step"] - env_ms))
+    assert compact["ideal_speedup_with_env"] == pytest.approx(full_ms / (env_ms + (full_ms - env_ms) * 2 / K))
     with pytest.raises(ValueError, match="0 <= k_min < K = 5"):
         stress_profile.main(["--checkpoint", str(checkpoints[1]), "--eps", "0.1", "--k-min", "5", "--device", "cpu"])
 
