@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -190,6 +191,10 @@ class PerformanceArgs:
     """torch.compile the minibatch update and the rollout's policy pass on GPU (ignored on CPU, where it does not
     pay). With --cuda-graph the compiled update made the loop 4x the eager one on an H100 (docs/benchmarks.md); the
     LightsOut results' runs ran eagerly: --no-compile --no-cuda-graph"""
+    combo_kernels: bool = False
+    """with --compile, let inductor fuse independent kernels side by side (its combo_kernels option): 8% more env
+    steps/s in bench/ppo_throughput.py on an H200 (docs/benchmarks.md); not the default until runs with it are
+    shown to learn as the runs without it"""
 
 
 @dataclass
@@ -764,6 +769,7 @@ def train(args: Args):
     parts = {"model": network, "teacher_model": teacher, "optimizer": optimizer}
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=batch_size,
               updates_per_iteration=args.update_epochs * args.num_minibatches, progress="env steps")
+    inductor_config.combo_kernels = args.combo_kernels  # read when run.compiled's functions first run
     obs, _ = env.reset()  # the rollout reads and writes these tensors in place (a captured graph reads them)
     rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums,
                            run.compiled(network.full_depth))

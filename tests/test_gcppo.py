@@ -881,3 +881,16 @@ def test_throughput_bench_reports_each_phases_logged_rate(tmp_path):
         refused = subprocess.run(bench + ["--inductor", option], capture_output=True, text=True, cwd=tmp_path,
                                  timeout=60)
         assert refused.returncode != 0 and message in refused.stderr
+
+
+def test_combo_kernels_flag_sets_inductors_option_for_the_run(tmp_path, monkeypatch):
+    """--combo-kernels reaches torch._inductor.config before anything is compiled; the default leaves it off."""
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config, "combo_kernels", False)
+    seen = []
+    real_make_rollout = gcppo.make_rollout
+    monkeypatch.setattr(gcppo, "make_rollout", lambda *a, **k: seen.append(inductor_config.combo_kernels)
+                        or real_make_rollout(*a, **k))
+    gcppo.train(tiny_args(tmp_path / "on", combo_kernels=True, total_timesteps=0))
+    gcppo.train(tiny_args(tmp_path / "off", total_timesteps=0))
+    assert seen == [True, False]
