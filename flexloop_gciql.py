@@ -23,6 +23,7 @@ D should change `divergence` to match, and changing `divergence` changes the rul
 import copy
 import math
 import sys
+import threading
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -150,6 +151,10 @@ class EvaluationArgs:
     message (envs/eval_workers.py); False: all in this process"""
     eval_every: int = 100_000
     """evaluate every depth on every task every this many iterations (and at the end of each phase)"""
+    eval_in_background: bool = False
+    """evaluate a copy of the actor in a thread while training goes on, one evaluation at a time (training waits
+    only when the next one is due before the last has ended); each is logged when it ends, with
+    charts/evaluated_update naming the update it evaluated"""
 
 
 @dataclass
@@ -207,7 +212,7 @@ ENV_FLAG = "env_name"  # the flag naming the env: run names, checkpoints and --i
 # cuda_streams changes speed, not the weights (tests/test_gciql.py): a resumed run takes it from the command line.
 # Evaluation draws from no training generator, so a resumed run may also evaluate less often or on fewer episodes.
 RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug", "dataset_dir", "dataset_path",
-                "cuda_streams", "eval_every", "eval_episodes")
+                "cuda_streams", "eval_every", "eval_episodes", "eval_in_background")
 ALGORITHM = "gciql"
 NETWORK_FLAGS = ("depth", "hidden_dim", "num_critics", "iru_variant", "backbone")  # an --init-checkpoint must match
 CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in a checkpoint
@@ -762,6 +767,45 @@ def evaluate(actor, vector_env, episodes, device, seed=0, progress=False):
     return results
 
 
+class BackgroundEvaluation:
+    """--eval-in-background: evaluate(copy of the actor, ...) in a thread, while the training loop goes on. The copy
+    is taken at the update it evaluates; evaluation draws from no training generator, so the weights come out as
+    without it, and each evaluation's numbers are those a blocking one would give at that update."""
+
+    def __init__(self, run):
+        self.run, self.thread, self.outcome = run, None, None
+
+    def start(self, actor, *args, **kwargs):
+        self.wait()  # one at a time: they share the eval envs
+        snapshot = copy.deepcopy(actor).requires_grad_(False)
+        taken = {"phase": self.run.phase_of(self.run.iteration - 1)[0], "charts/evaluated_update": self.run.updates}
+        iteration = self.run.iteration
+
+        def evaluate_snapshot():
+            try:
+                self.outcome = (taken, iteration, evaluate(snapshot, *args, **kwargs))
+            except BaseException as error:  # raised again in the training loop, by wait()
+                self.outcome = (taken, iteration, error)
+
+        self.thread = threading.Thread(target=evaluate_snapshot, name="evaluation", daemon=True)
+        self.thread.start()
+
+    def log_if_done(self):
+        if self.thread is not None and not self.thread.is_alive():
+            self.wait()
+
+    def wait(self):
+        """Log the evaluation under way once it ends (training waits for it here)."""
+        if self.thread is None:
+            return
+        self.thread.join()
+        taken, iteration, results = self.outcome
+        self.thread, self.outcome = None, None
+        if isinstance(results, BaseException):
+            raise results
+        self.run.record_evaluation({**taken, **results}, iteration)
+
+
 def format_eval(results, args, iteration):
     values = " ".join(f"{results[f'eval/success_depth_{k}']:.3f}" for k in range(1, args.depth + 1))
     return f"update {iteration} success by depth 1..{args.depth} (mean over tasks): {values}"
@@ -802,6 +846,7 @@ def train(args: Args):
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=1, updates_per_iteration=1,
               progress="updates")
     graphed_update, eval_env = None, None  # the evaluation vector env is made at the first evaluation, then kept
+    background = BackgroundEvaluation(run)
     lambda_depth_now = None
 
     with run:
@@ -819,10 +864,17 @@ def train(args: Args):
 
             if run.log_due():
                 run.log({"charts/lambda_depth": lam})
+            background.log_if_done()
             if args.eval_episodes > 0 and run.evaluate_due():
                 eval_env = eval_env or make_eval_vector_env(args.env_name, args.eval_envs, args.eval_async)
-                run.evaluate(evaluate, network.actor, eval_env, args.eval_episodes, device, seed=args.seed + 1000)
+                evaluation = (network.actor, eval_env, args.eval_episodes, device)
+                if args.eval_in_background:
+                    background.start(*evaluation, seed=args.seed + 1000)
+                else:
+                    run.evaluate(evaluate, *evaluation, seed=args.seed + 1000)
             run.save_due()
+        if run.stop.reason is None:
+            background.wait()  # the last evaluation is logged before final.pt holds the metrics
         if eval_env is not None:
             eval_env.close()
     return run.finish()  # final.pt, or latest.pt after a stop

@@ -765,11 +765,15 @@ class Run:
         self.train_seconds += time.perf_counter() - self.clock
         with self.interruptible():
             results = evaluate(*args, **kwargs)
-        self.last_metrics.update(self.metrics_log.write({"phase": self.phase_of(self.iteration - 1)[0], **results},
-                                                        self.global_step))
-        say(self.script.format_eval(results, self.args, self.iteration))
+        self.record_evaluation({"phase": self.phase_of(self.iteration - 1)[0], **results}, self.iteration)
         self.clock = time.perf_counter()
         return results
+
+    def record_evaluation(self, results, iteration):
+        """An evaluation's metrics (of the weights after `iteration` iterations): logged at the current step and
+        printed."""
+        self.last_metrics.update(self.metrics_log.write(results, self.global_step))
+        say(self.script.format_eval(results, self.args, iteration))
 
     def save_due(self):
         """pretrained.pt when pretraining ends; latest.pt every --save-every iterations and at the end."""

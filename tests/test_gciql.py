@@ -5,8 +5,10 @@ import copy
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -409,6 +411,61 @@ def test_evaluating_more_often_leaves_the_training_unchanged(data_dir, tmp_path)
     assert often.keys() == never.keys()
     for key in often:
         torch.testing.assert_close(often[key], never[key], rtol=0, atol=0, msg=key)
+
+
+def test_evaluating_in_background_gives_the_weights_and_numbers_of_blocking_evaluations(data_dir, tmp_path,
+                                                                                        monkeypatch):
+    """--eval-in-background evaluates a copy of the actor in a thread while training goes on: the final weights are
+    those of blocking evaluations, and each evaluation, logged later with the update it evaluated
+    (charts/evaluated_update), has the numbers a blocking evaluation logged at that update. The evaluation here
+    reads the actor's weights slowly, so training moves on while it runs."""
+    def weights_read_slowly(actor, vector_env, episodes, device, seed=0):
+        first = sum(p.sum().item() for p in actor.parameters())
+        time.sleep(0.3)
+        return {f"eval/success_depth_{k}": first + sum(p.sum().item() for p in actor.parameters()) * k
+                for k in range(1, actor.depth + 1)}
+    monkeypatch.setattr(gciql, "evaluate", weights_read_slowly)
+    finals, evaluations = [], []
+    for name, background in (("blocking", False), ("background", True)):
+        run_dir = gciql.train(tiny_args(data_dir, tmp_path / name, eval_every=4, eval_in_background=background))
+        finals.append(torch.load(Path(run_dir) / "final.pt", weights_only=False)["model"])
+        rows = [r for r in read_metrics(run_dir) if "eval/success_depth_1" in r]
+        evaluations.append({r.get("charts/evaluated_update", r["global_step"]):  # a CPU run: one update a step
+                            {k: v for k, v in r.items() if k.startswith("eval/")} for r in rows})
+    blocking, background = evaluations
+    assert len(blocking) >= 3 and len(set(map(str, blocking.values()))) == len(blocking)  # the weights moved
+    assert background == blocking  # 12 updates: every 4th one and each phase's end
+    for key in finals[0]:
+        torch.testing.assert_close(finals[0][key], finals[1][key], rtol=0, atol=0, msg=key)
+
+
+def test_a_background_evaluation_runs_the_real_episodes(data_dir, tmp_path):
+    run_dir = gciql.train(tiny_args(data_dir, tmp_path, eval_in_background=True))  # each phase's end: 6, 12
+    rows = [r for r in read_metrics(run_dir) if "eval/success_depth_1" in r]
+    assert [(r["phase"], r["charts/evaluated_update"]) for r in rows] == [("pretrain", 6), ("flexloop", 12)]
+    assert all(0 <= r[f"eval/task_{t}/success_depth_{k}"] <= 1 for r in rows for t in gciql.TASK_IDS for k in (1, 2))
+
+
+def test_a_stop_during_a_background_evaluation_saves_latest_without_waiting_for_it(data_dir, tmp_path, monkeypatch):
+    """SIGTERM while an evaluation runs in the background: the run writes latest.pt at once and leaves the
+    evaluation unlogged (the next due one covers it after --resume)."""
+    def stopped_while_evaluating(actor, vector_env, episodes, device, seed=0):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    monkeypatch.setattr(gciql, "evaluate", stopped_while_evaluating)
+    start = time.perf_counter()
+    run_dir = Path(gciql.train(tiny_args(data_dir, tmp_path, eval_every=4, eval_in_background=True)))
+    assert time.perf_counter() - start < 20
+    assert (run_dir / "latest.pt").exists() and not (run_dir / "final.pt").exists()
+    assert not any("eval/success_depth_1" in r for r in read_metrics(run_dir))
+
+
+def test_an_error_in_a_background_evaluation_stops_the_run_with_it(data_dir, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the eval env died")
+    monkeypatch.setattr(gciql, "evaluate", broken)
+    with pytest.raises(RuntimeError, match="the eval env died"):
+        gciql.train(tiny_args(data_dir, tmp_path, eval_every=4, eval_in_background=True))
 
 
 def train_updates(args, dataset, device, updates=3, captured=False, **update_kwargs):
