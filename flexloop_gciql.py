@@ -847,6 +847,8 @@ def train(args: Args):
               progress="updates")
     graphed_update, eval_env = None, None  # the evaluation vector env is made at the first evaluation, then kept
     background = BackgroundEvaluation(run)
+    if args.eval_in_background and run.wandb_run is not None:  # W&B draws each evaluation at the update it evaluated
+        run.wandb_run.define_metric("eval/*", step_metric="charts/evaluated_update")
     lambda_depth_now = None
 
     with run:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -444,6 +445,30 @@ def test_a_background_evaluation_runs_the_real_episodes(data_dir, tmp_path):
     rows = [r for r in read_metrics(run_dir) if "eval/success_depth_1" in r]
     assert [(r["phase"], r["charts/evaluated_update"]) for r in rows] == [("pretrain", 6), ("flexloop", 12)]
     assert all(0 <= r[f"eval/task_{t}/success_depth_{k}"] <= 1 for r in rows for t in gciql.TASK_IDS for k in (1, 2))
+
+
+def test_wandb_draws_background_evaluations_at_the_update_they_evaluated(data_dir, tmp_path, monkeypatch):
+    """With a stand-in wandb module: eval/* is plotted against charts/evaluated_update, which each evaluation's
+    record carries."""
+    logged, defined = [], {}
+
+    class Run:
+        id = "stand-in"
+        settings = types.SimpleNamespace(mode="online")
+
+        def define_metric(self, name, step_metric):
+            defined[name] = step_metric
+
+        def log(self, record, step):
+            logged.append(dict(record))  # as W&B, which sends it at once
+
+        def finish(self):
+            pass
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: Run()))
+    gciql.train(tiny_args(data_dir, tmp_path, eval_in_background=True, track=True))
+    assert defined == {"eval/*": "charts/evaluated_update"}
+    assert [r["charts/evaluated_update"] for r in logged if "eval/success_depth_1" in r] == [6, 12]
 
 
 def test_a_stop_during_a_background_evaluation_saves_latest_without_waiting_for_it(data_dir, tmp_path, monkeypatch):
