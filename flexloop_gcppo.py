@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import torch
-import torch._inductor.config as inductor_config
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -769,7 +768,6 @@ def train(args: Args):
     parts = {"model": network, "teacher_model": teacher, "optimizer": optimizer}
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=batch_size,
               updates_per_iteration=args.update_epochs * args.num_minibatches, progress="env steps")
-    inductor_config.combo_kernels = args.combo_kernels  # read when run.compiled's functions first run
     obs, _ = env.reset()  # the rollout reads and writes these tensors in place (a captured graph reads them)
     rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums,
                            run.compiled(network.full_depth))

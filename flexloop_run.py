@@ -672,8 +672,13 @@ class Run:
         return self.iteration < self.total_iterations and self.stop.reason is None
 
     def compiled(self, fn):
-        """fn compiled by torch.compile with --compile on a GPU, fn itself otherwise."""
-        return torch.compile(fn) if self.compile else fn
+        """fn compiled by torch.compile with --compile on a GPU, fn itself otherwise. --combo-kernels, where a
+        script has it, turns on inductor's combo kernels (independent kernels fused side by side)."""
+        if not self.compile:
+            return fn
+        if getattr(self.args, "combo_kernels", False):
+            torch._inductor.config.combo_kernels = True
+        return torch.compile(fn)
 
     def graphed(self, fn, generators, *args):
         """fn(*args) replayed from a CUDA graph with --cuda-graph on a GPU, eager otherwise."""

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -883,14 +884,16 @@ def test_throughput_bench_reports_each_phases_logged_rate(tmp_path):
         assert refused.returncode != 0 and message in refused.stderr
 
 
-def test_combo_kernels_flag_sets_inductors_option_for_the_run(tmp_path, monkeypatch):
-    """--combo-kernels reaches torch._inductor.config before anything is compiled; the default leaves it off."""
+def test_combo_kernels_flag_is_inductors_option_when_the_run_compiles(monkeypatch):
+    """--combo-kernels turns on torch._inductor.config.combo_kernels as Run.compiled compiles (a GPU run); without
+    it inductor's own setting stands (bench --inductor sets it)."""
     import torch._inductor.config as inductor_config
-    monkeypatch.setattr(inductor_config, "combo_kernels", False)
     seen = []
-    real_make_rollout = gcppo.make_rollout
-    monkeypatch.setattr(gcppo, "make_rollout", lambda *a, **k: seen.append(inductor_config.combo_kernels)
-                        or real_make_rollout(*a, **k))
-    gcppo.train(tiny_args(tmp_path / "on", combo_kernels=True, total_timesteps=0))
-    gcppo.train(tiny_args(tmp_path / "off", total_timesteps=0))
-    assert seen == [True, False]
+    monkeypatch.setattr(torch, "compile", lambda fn: seen.append(inductor_config.combo_kernels) or fn)
+    for args, before in ((gcppo.Args(combo_kernels=True), False), (gcppo.Args(), False), (gcppo.Args(), True),
+                         (types.SimpleNamespace(), False)):
+        monkeypatch.setattr(inductor_config, "combo_kernels", before)
+        assert flexloop_run.Run.compiled(types.SimpleNamespace(compile=True, args=args), len) is len
+    assert seen == [True, False, True, False]
+    assert flexloop_run.Run.compiled(types.SimpleNamespace(compile=False, args=gcppo.Args()), len) is len
+    assert len(seen) == 4  # a CPU run compiles nothing
