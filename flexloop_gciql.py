@@ -154,7 +154,7 @@ class EvaluationArgs:
     eval_in_background: bool = False
     """evaluate a copy of the actor in a thread while training goes on, one evaluation at a time (training waits
     only when the next one is due before the last has ended); each is logged when it ends, with
-    charts/evaluated_update naming the update it evaluated"""
+    charts/evaluated_step naming the step (update) it evaluated"""
 
 
 @dataclass
@@ -778,7 +778,8 @@ class BackgroundEvaluation:
     def start(self, actor, *args, **kwargs):
         self.wait()  # one at a time: they share the eval envs
         snapshot = copy.deepcopy(actor).requires_grad_(False)
-        taken = {"phase": self.run.phase_of(self.run.iteration - 1)[0], "charts/evaluated_update": self.run.updates}
+        taken = {"phase": self.run.phase_of(self.run.iteration - 1)[0],
+                 "charts/evaluated_step": self.run.global_step}
         iteration = self.run.iteration
 
         def evaluate_snapshot():
@@ -848,7 +849,7 @@ def train(args: Args):
     graphed_update, eval_env = None, None  # the evaluation vector env is made at the first evaluation, then kept
     background = BackgroundEvaluation(run)
     if args.eval_in_background and run.wandb_run is not None:  # W&B draws each evaluation at the update it evaluated
-        run.wandb_run.define_metric("eval/*", step_metric="charts/evaluated_update")
+        run.wandb_run.define_metric("eval/*", step_metric="charts/evaluated_step")
     lambda_depth_now = None
 
     with run:

@@ -37,8 +37,8 @@ def eval_records(path):
             continue
         if any(key.startswith(prefix) for key in record
                for prefix in (*SPLIT_PREFIXES.values(), *ALL_TASKS_PREFIX.values())):
-            if "charts/evaluated_update" in record:  # GC-IQL's --eval-in-background: logged after the update it
-                record["global_step"] = record["charts/evaluated_update"]  # evaluated (one step an update)
+            if "charts/evaluated_step" in record:  # GC-IQL's --eval-in-background: logged after the step it
+                record["global_step"] = record["charts/evaluated_step"]  # evaluated
             records.append(record)
     return records
 

@@ -63,12 +63,12 @@ def test_plot_parity_draws_every_run_and_skips_a_cut_line(tmp_path, monkeypatch)
     plt.close("all")
 
 
-def test_plot_parity_places_a_background_evaluation_at_the_update_it_evaluated(tmp_path):
+def test_plot_parity_places_a_background_evaluation_at_the_step_it_evaluated(tmp_path):
     """GC-IQL's --eval-in-background logs an evaluation later than the update it evaluated, which
-    charts/evaluated_update names; blocking evaluations are at their step."""
+    charts/evaluated_step names; blocking evaluations are at their step."""
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({"global_step": 100_000, "eval/success_depth_1": 0.2}) + "\n"
-                    + json.dumps({"global_step": 231_000, "charts/evaluated_update": 200_000,
+                    + json.dumps({"global_step": 231_000, "charts/evaluated_step": 200_000,
                                   "eval/success_depth_1": 0.4}) + "\n")
     records = load_bench("plot_parity").eval_records(path)
     assert [r["global_step"] for r in records] == [100_000, 200_000]

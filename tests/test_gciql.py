@@ -417,8 +417,8 @@ def test_evaluating_more_often_leaves_the_training_unchanged(data_dir, tmp_path)
 def test_evaluating_in_background_gives_the_weights_and_numbers_of_blocking_evaluations(data_dir, tmp_path,
                                                                                         monkeypatch):
     """--eval-in-background evaluates a copy of the actor in a thread while training goes on: the final weights are
-    those of blocking evaluations, and each evaluation, logged later with the update it evaluated
-    (charts/evaluated_update), has the numbers a blocking evaluation logged at that update. The evaluation here
+    those of blocking evaluations, and each evaluation, logged later with the step it evaluated
+    (charts/evaluated_step), has the numbers a blocking evaluation logged at that step. The evaluation here
     reads the actor's weights slowly, so training moves on while it runs."""
     def weights_read_slowly(actor, vector_env, episodes, device, seed=0):
         first = sum(p.sum().item() for p in actor.parameters())
@@ -431,7 +431,7 @@ def test_evaluating_in_background_gives_the_weights_and_numbers_of_blocking_eval
         run_dir = gciql.train(tiny_args(data_dir, tmp_path / name, eval_every=4, eval_in_background=background))
         finals.append(torch.load(Path(run_dir) / "final.pt", weights_only=False)["model"])
         rows = [r for r in read_metrics(run_dir) if "eval/success_depth_1" in r]
-        evaluations.append({r.get("charts/evaluated_update", r["global_step"]):  # a CPU run: one update a step
+        evaluations.append({r.get("charts/evaluated_step", r["global_step"]):
                             {k: v for k, v in r.items() if k.startswith("eval/")} for r in rows})
     blocking, background = evaluations
     assert len(blocking) >= 3 and len(set(map(str, blocking.values()))) == len(blocking)  # the weights moved
@@ -443,12 +443,12 @@ def test_evaluating_in_background_gives_the_weights_and_numbers_of_blocking_eval
 def test_a_background_evaluation_runs_the_real_episodes(data_dir, tmp_path):
     run_dir = gciql.train(tiny_args(data_dir, tmp_path, eval_in_background=True))  # each phase's end: 6, 12
     rows = [r for r in read_metrics(run_dir) if "eval/success_depth_1" in r]
-    assert [(r["phase"], r["charts/evaluated_update"]) for r in rows] == [("pretrain", 6), ("flexloop", 12)]
+    assert [(r["phase"], r["charts/evaluated_step"]) for r in rows] == [("pretrain", 6), ("flexloop", 12)]
     assert all(0 <= r[f"eval/task_{t}/success_depth_{k}"] <= 1 for r in rows for t in gciql.TASK_IDS for k in (1, 2))
 
 
 def test_wandb_draws_background_evaluations_at_the_update_they_evaluated(data_dir, tmp_path, monkeypatch):
-    """With a stand-in wandb module: eval/* is plotted against charts/evaluated_update, which each evaluation's
+    """With a stand-in wandb module: eval/* is plotted against charts/evaluated_step, which each evaluation's
     record carries."""
     logged, defined = [], {}
 
@@ -467,8 +467,8 @@ def test_wandb_draws_background_evaluations_at_the_update_they_evaluated(data_di
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: Run()))
     gciql.train(tiny_args(data_dir, tmp_path, eval_in_background=True, track=True))
-    assert defined == {"eval/*": "charts/evaluated_update"}
-    assert [r["charts/evaluated_update"] for r in logged if "eval/success_depth_1" in r] == [6, 12]
+    assert defined == {"eval/*": "charts/evaluated_step"}
+    assert [r["charts/evaluated_step"] for r in logged if "eval/success_depth_1" in r] == [6, 12]
 
 
 def test_a_stop_during_a_background_evaluation_saves_latest_without_waiting_for_it(data_dir, tmp_path, monkeypatch):
