@@ -73,8 +73,11 @@ def plan(studies, seeds, runs_dir):
     jobs = {}
     for study in studies:
         for seed in seeds:
-            by_name = {}
+            by_name, not_this_seed = {}, set()
             for run in study.runs:
+                if run.per_seed and run.seeds is not None and seed not in run.seeds:
+                    not_this_seed.add(run.name)
+                    continue
                 home = run.home or study.name
                 folder = runs_dir / home / run.name / (f"seed{seed}" if run.per_seed else "")
                 job = jobs.setdefault(folder, Job(home, run, seed if run.per_seed else None, folder))
@@ -83,6 +86,9 @@ def plan(studies, seeds, runs_dir):
                          "flags; give one of them another name or the same flags")
                 names = [name for token in run.command for name in PLACEHOLDER.findall(token) if name != run.name]
                 for name in names:
+                    if name in not_this_seed:
+                        fail(f"{study.name}'s run {run.name} uses {{{name}}}, which does not run for seed {seed}; "
+                             f"give {run.name} the seeds of {name}")
                     if name not in by_name:
                         fail(f"{study.name}'s run {run.name} uses {{{name}}}, which is not a run listed before it")
                 job.needs = [by_name[name] for name in dict.fromkeys(names)]
@@ -459,7 +465,7 @@ def mean_std(values):
     return f"{mean:.3f} ± {std:.3f}"
 
 
-def print_tables(study, jobs, seeds, runs_dir):
+def print_tables(study, jobs, runs_dir):
     """Each evaluation's table over the seeds, written to runs/<study>/<eval>.table.md and printed; a table
     already written for these seeds is printed as it is."""
     for run in study.runs:
@@ -467,8 +473,10 @@ def print_tables(study, jobs, seeds, runs_dir):
             continue
         home = run.home or study.name
         evals = [job for job in jobs if job.study == home and job.run.name == run.name]
+        if not evals:  # a run for other seeds than these
+            continue
         path = runs_dir / home / f"{run.name}.table.md"
-        header = f"{home} {run.name}, seeds {' '.join(map(str, seeds))}\n"
+        header = f"{home} {run.name}, seeds {' '.join(str(job.seed) for job in evals)}\n"
         if not all(job.state == "done" for job in evals):
             print(f"\n{home}: no {run.name} table yet ({sum(j.state == 'done' for j in evals)} of {len(evals)} "
                   "seeds evaluated)")
@@ -609,7 +617,7 @@ def main(argv=None):
         if stopped:
             return 130
     for study in studies:
-        print_tables(study, jobs, seeds, runs_dir)
+        print_tables(study, jobs, runs_dir)
     failed = [job for job in jobs if job.state in ("failed", "skipped")]
     if failed:
         print(f"\nreproduce.py: {len(failed)} run(s) failed or skipped: " + "; ".join(

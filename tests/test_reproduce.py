@@ -143,6 +143,20 @@ def test_ablations_share_the_main_studys_pretraining(tmp_path):
                for line in headers)
 
 
+def test_ogbench_runs_its_control_for_seed_1_alone(tmp_path):
+    """The OGBench control (lambda 0) is one seed's check, evaluated apart from the seeds' IRU-5 and FlexLoop."""
+    result = reproduce("ogbench-scene", "--dry-run", "--no-cuda", "--runs-dir", tmp_path / "runs")
+    assert result.returncode == 0, result.stderr
+    headers = [line.split(" (")[0] for line in result.stdout.splitlines() if line.startswith("# ")]
+    assert [h for h in headers if "control" in h] == ["# ogbench-scene/control seed 1",
+                                                      "# ogbench-scene/eval-control seed 1"]
+    assert [h for h in headers if h.startswith("# ogbench-scene/eval ")] == [
+        f"# ogbench-scene/eval seed {seed}" for seed in (1, 2, 3)]
+    assert "--labels IRU-5 FlexLoop --" in result.stdout and "--labels Self-TD-Only --" in result.stdout
+    seed_2 = reproduce("ogbench-scene", "--dry-run", "--no-cuda", "--seeds", "2", "--runs-dir", tmp_path / "runs")
+    assert not [line for line in seed_2.stdout.splitlines() if line.startswith("# ") and "control" in line]
+
+
 # ------------------------------------------------------------------------------------------------- bad input
 
 
@@ -154,6 +168,16 @@ def test_unknown_study():
 @pytest.mark.parametrize("seeds", [["-1"], ["1", "1"]])
 def test_seeds_that_do_not_exist(seeds):
     one_line_error(reproduce("boxpick-exact4", "--no-cuda", "--seeds", *seeds), "--seeds")
+
+
+def test_a_run_that_needs_a_run_of_fewer_seeds(tmp_path):
+    path = tmp_path / "my_studies.py"
+    path.write_text("import studies\n"
+                    "STUDIES = {'mine': studies.Study('mine', 'a run of seed 1 alone, read by every seed', (\n"
+                    "    studies.train('a', 'flexloop_gcdqn.py', seeds=(1,)),\n"
+                    "    studies.evaluate('eval', {'A': '{a}/final.pt'})))}\n")
+    one_line_error(reproduce("mine", "--studies-file", path, "--no-cuda", "--dry-run", "--seeds", "1", "2"),
+                   "mine's run eval uses {a}, which does not run for seed 2", "give eval the seeds of a")
 
 
 def test_gpus_that_do_not_exist(tmp_path):
@@ -318,13 +342,14 @@ def check_three_invocations(args, interrupted_run, sig, expected):
     return second.stdout
 
 
-def expected_artifacts(study, env_id, seeds=(1,), extra=()):
-    """The folders and files of a finished tiny study: its three training runs, the evaluation and the table."""
+def expected_artifacts(study, env_id, seeds=(1,), evals=("eval",), extra=()):
+    """The folders and files of a finished tiny study: its three training runs, the evaluations and their tables."""
     trained = ("pretrain", "flexloop", "control")
     return sorted([f"{study}/{run}/seed{seed}/{env_id}__{study}-{run}__{seed}/final.pt"
                    for run in trained for seed in seeds]
-                  + [f"{study}/{run}/seed{seed}/reproduce.json" for run in (*trained, "eval") for seed in seeds]
-                  + [f"{study}/eval/seed{seed}/results.json" for seed in seeds] + [f"{study}/eval.table.md", *extra])
+                  + [f"{study}/{run}/seed{seed}/reproduce.json" for run in (*trained, *evals) for seed in seeds]
+                  + [f"{study}/{run}/seed{seed}/results.json" for run in evals for seed in seeds]
+                  + [f"{study}/{run}.table.md" for run in evals] + list(extra))
 
 
 @pytest.mark.slow
@@ -355,11 +380,11 @@ def test_boxpick_study_survives_sigterm_and_completes(tiny):
 
 @pytest.mark.slow
 def test_ogbench_study_survives_ctrl_c_and_completes(tiny):
-    expected = expected_artifacts("ogbench-pointmaze-large", "pointmaze-large-stitch-v0",
+    expected = expected_artifacts("ogbench-pointmaze-large", "pointmaze-large-stitch-v0", evals=("eval", "eval-control"),
                                   extra=["ogbench-pointmaze-large/data/reproduce.json"])
     out = check_three_invocations(["ogbench-pointmaze-large", *tiny.flags],
                                   tiny.runs / "ogbench-pointmaze-large" / "pretrain" / "seed1", signal.SIGINT, expected)
-    assert "| FlexLoop | task1 |" in out
+    assert "| FlexLoop | task1 |" in out and "| Self-TD-Only | task1 |" in out
     assert sorted(path.name for path in tiny.data.iterdir()) == ["pointmaze-large-stitch-v0-val.npz",
                                                                 "pointmaze-large-stitch-v0.npz"]
 
