@@ -2,13 +2,13 @@
 the elasticity and Pareto figures and the paper's Figure 6 (the depth FlexLoop stops at, step by step, in
 successful episodes), from eval_adaptive.py's results.json files.
 
-    python bench/plot_ogbench.py --results runs/ogbench-*/eval/seed*/results.json --out docs/figures
+    python bench/plot_ogbench.py --results runs/ogbench-*/eval*/seed*/results.json --out docs/figures
 
 Each results.json holds the checkpoints of one seed on one dataset, labelled as eval_adaptive.py was told
 (--labels, as reproduce.py gives them): IRU-5 after pretraining, FlexLoop after post-training and, where it ran,
-the Self-TD-Only control. On OGBench eval_adaptive.py reports each of the 5 tasks and their mean, and
-calibrates epsilon on that mean; the rows here are those means, mean +- std over seeds (the sample std, as the
-paper's tables). Prints JSON.
+the Self-TD-Only control (reproduce.py evaluates seed 1's apart, in eval-control/seed1). On OGBench
+eval_adaptive.py reports each of the 5 tasks and their mean, and calibrates epsilon on that mean; the rows here
+are those means, mean +- std over seeds (the sample std, as the paper's tables). Prints JSON.
 """
 import argparse
 import importlib.util

@@ -156,7 +156,8 @@ def main(argv=None):
     print(json.dumps({"checkpoint": args.checkpoint, "env_id": checkpoint["env_id"], "split": args.split,
                       "eps": args.eps, "num_envs": args.num_envs, "k_min": args.k_min, "compile": args.compile,
                       "cuda_graph": use_graph, "device": torch.cuda.get_device_name() if device.type == "cuda"
-                      else "cpu", "steps": args.steps, "profile_steps": args.profile_steps, "modes": modes, "env": env}))
+                      else "cpu", "steps": args.steps, "profile_steps": args.profile_steps, "modes": modes,
+                      "env": env}))
 
 
 if __name__ == "__main__":

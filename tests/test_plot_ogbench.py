@@ -100,9 +100,12 @@ def test_the_labels_reproduce_py_gives_ogbench_and_boxpick_evaluations_are_ones_
     for name, study in studies.STUDIES.items():
         if not name.startswith(("ogbench-", "boxpick-")):
             continue
-        [run] = [run for run in study.runs if run.kind == "eval"]
-        command = list(run.command)
-        labels = command[command.index("--labels") + 1:]
-        labels = labels[:next((i for i, flag in enumerate(labels) if flag.startswith("--")), len(labels))]
-        models = [plot_ogbench.plot_protocol.model_of(label) for label in labels]  # raises on a label it cannot read
+        models = []
+        for run in study.runs:
+            if run.kind != "eval":
+                continue
+            command = list(run.command)
+            labels = command[command.index("--labels") + 1:]
+            labels = labels[:next((i for i, flag in enumerate(labels) if flag.startswith("--")), len(labels))]
+            models += [plot_ogbench.plot_protocol.model_of(label) for label in labels]  # raises on an unread label
         assert models == ["IRU-5", "FlexLoop", "Self-TD-Only"], name

@@ -380,8 +380,8 @@ def test_boxpick_study_survives_sigterm_and_completes(tiny):
 
 @pytest.mark.slow
 def test_ogbench_study_survives_ctrl_c_and_completes(tiny):
-    expected = expected_artifacts("ogbench-pointmaze-large", "pointmaze-large-stitch-v0", evals=("eval", "eval-control"),
-                                  extra=["ogbench-pointmaze-large/data/reproduce.json"])
+    expected = expected_artifacts("ogbench-pointmaze-large", "pointmaze-large-stitch-v0",
+                                  evals=("eval", "eval-control"), extra=["ogbench-pointmaze-large/data/reproduce.json"])
     out = check_three_invocations(["ogbench-pointmaze-large", *tiny.flags],
                                   tiny.runs / "ogbench-pointmaze-large" / "pretrain" / "seed1", signal.SIGINT, expected)
     assert "| FlexLoop | task1 |" in out and "| Self-TD-Only | task1 |" in out
