@@ -152,8 +152,8 @@ class EvaluationArgs:
     eval_every: int = 100_000
     """evaluate every depth on every task every this many iterations (and at the end of each phase)"""
     eval_in_background: bool = False
-    """evaluate a copy of the actor in a thread while training goes on, one evaluation at a time (training waits
-    only when the next one is due before the last has ended); each is logged when it ends, with
+    """evaluate a CPU copy of the actor in a thread while training goes on, one evaluation at a time (training
+    waits only when the next one is due before the last has ended); each is logged when it ends, with
     charts/evaluated_step naming the step (update) it evaluated"""
 
 
@@ -770,21 +770,23 @@ def evaluate(actor, vector_env, episodes, device, seed=0, progress=False):
 class BackgroundEvaluation:
     """--eval-in-background: evaluate(copy of the actor, ...) in a thread, while the training loop goes on. The copy
     is taken at the update it evaluates; evaluation draws from no training generator, so the weights come out as
-    without it, and each evaluation's numbers are those a blocking one would give at that update."""
+    without it, and each evaluation's numbers are those a blocking one would give at that update. The copy acts on
+    the CPU, so the thread never waits behind the updates queued on a GPU; a GPU run's actions may then differ from
+    a blocking evaluation's in the last bits."""
 
     def __init__(self, run):
         self.run, self.thread, self.outcome = run, None, None
 
-    def start(self, actor, *args, **kwargs):
+    def start(self, actor, vector_env, episodes, seed):
         self.wait()  # one at a time: they share the eval envs
-        snapshot = copy.deepcopy(actor).requires_grad_(False)
+        snapshot = copy.deepcopy(actor).requires_grad_(False).cpu()
         taken = {"phase": self.run.phase_of(self.run.iteration - 1)[0],
                  "charts/evaluated_step": self.run.global_step}
         iteration = self.run.iteration
 
         def evaluate_snapshot():
             try:
-                self.outcome = (taken, iteration, evaluate(snapshot, *args, **kwargs))
+                self.outcome = (taken, iteration, evaluate(snapshot, vector_env, episodes, torch.device("cpu"), seed))
             except BaseException as error:  # raised again in the training loop, by wait()
                 self.outcome = (taken, iteration, error)
 
@@ -870,11 +872,10 @@ def train(args: Args):
             background.log_if_done()
             if args.eval_episodes > 0 and run.evaluate_due():
                 eval_env = eval_env or make_eval_vector_env(args.env_name, args.eval_envs, args.eval_async)
-                evaluation = (network.actor, eval_env, args.eval_episodes, device)
                 if args.eval_in_background:
-                    background.start(*evaluation, seed=args.seed + 1000)
+                    background.start(network.actor, eval_env, args.eval_episodes, seed=args.seed + 1000)
                 else:
-                    run.evaluate(evaluate, *evaluation, seed=args.seed + 1000)
+                    run.evaluate(evaluate, network.actor, eval_env, args.eval_episodes, device, seed=args.seed + 1000)
             run.save_due()
         if run.stop.reason is None:
             background.wait()  # the last evaluation is logged before final.pt holds the metrics

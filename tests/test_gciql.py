@@ -485,6 +485,19 @@ def test_a_stop_during_a_background_evaluation_saves_latest_without_waiting_for_
     assert not any("eval/success_depth_1" in r for r in read_metrics(run_dir))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA run's background evaluation")
+def test_a_cuda_runs_background_evaluation_acts_on_a_cpu_copy(data_dir, tmp_path, monkeypatch):
+    """On a GPU the copy acts on the CPU: the thread never waits for the updates queued on the GPU."""
+    seen = []
+
+    def where(actor, vector_env, episodes, device, seed=0):
+        seen.append((device.type, {p.device.type for p in actor.parameters()}))
+        return {f"eval/success_depth_{k}": 0.0 for k in range(1, actor.depth + 1)}
+    monkeypatch.setattr(gciql, "evaluate", where)
+    gciql.train(tiny_args(data_dir, tmp_path, cuda=True, eval_in_background=True))
+    assert seen == [("cpu", {"cpu"})] * 2
+
+
 def test_an_error_in_a_background_evaluation_stops_the_run_with_it(data_dir, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the eval env died")
