@@ -370,9 +370,12 @@ class IRUNetwork(nn.Module):
         return self.q_values(state).mean(0) / self.policy_temperature
 
     def q_values(self, state):
-        """Q of the current depth for every critic: (E, B, A). Read out in float32 also under --bf16: the Q
-        values feed the TD target and a softmax at a small temperature, where bf16's 3 digits would show."""
-        readout = self.readout(state)
+        """Q of the current depth for every critic: (E, B, A)."""
+        return self.read_heads(self.readout(state))
+
+    def read_heads(self, readout):
+        """Q from readouts whose first dimension is the critics. In float32 also under --bf16: the Q values feed
+        the TD target and a softmax at a small temperature, where bf16's 3 digits would show."""
         with torch.autocast(readout.device.type, enabled=False):
             return self.head(readout.float())[..., 0]
 
@@ -385,8 +388,7 @@ class IRUNetwork(nn.Module):
             state = self.advance(state)
             readouts.append(self.readout(state))
         stacked = torch.stack(readouts, 1)  # (E, K, B, A, d): the head's critics stay the first dimension
-        with torch.autocast(stacked.device.type, enabled=False):  # as q_values: the heads in float32
-            return self.head(stacked.float())[..., 0].transpose(0, 1)
+        return self.read_heads(stacked).transpose(0, 1)
 
     def state_after(self, obs, goal, depth):
         """The recurrent state after `depth` steps, without reading the heads on the way."""
