@@ -23,7 +23,6 @@ D should change `divergence` to match, and changing `divergence` changes the rul
 import copy
 import math
 import sys
-import threading
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -767,48 +766,6 @@ def evaluate(actor, vector_env, episodes, device, seed=0, progress=False):
     return results
 
 
-class BackgroundEvaluation:
-    """--eval-in-background: evaluate(copy of the actor, ...) in a thread, while the training loop goes on. The copy
-    is taken at the update it evaluates; evaluation draws from no training generator, so the weights come out as
-    without it, and each evaluation's numbers are those a blocking one would give at that update. The copy acts on
-    the CPU, so the thread never waits behind the updates queued on a GPU; a GPU run's actions may then differ from
-    a blocking evaluation's in the last bits."""
-
-    def __init__(self, run):
-        self.run, self.thread, self.outcome = run, None, None
-
-    def start(self, actor, vector_env, episodes, seed):
-        self.wait()  # one at a time: they share the eval envs
-        snapshot = copy.deepcopy(actor).requires_grad_(False).cpu()
-        taken = {"phase": self.run.phase_of(self.run.iteration - 1)[0],
-                 "charts/evaluated_step": self.run.global_step}
-        iteration = self.run.iteration
-
-        def evaluate_snapshot():
-            try:
-                self.outcome = (taken, iteration, evaluate(snapshot, vector_env, episodes, torch.device("cpu"), seed))
-            except BaseException as error:  # raised again in the training loop, by wait()
-                self.outcome = (taken, iteration, error)
-
-        self.thread = threading.Thread(target=evaluate_snapshot, name="evaluation", daemon=True)
-        self.thread.start()
-
-    def log_if_done(self):
-        if self.thread is not None and not self.thread.is_alive():
-            self.wait()
-
-    def wait(self):
-        """Log the evaluation under way once it ends (training waits for it here)."""
-        if self.thread is None:
-            return
-        self.thread.join()
-        taken, iteration, results = self.outcome
-        self.thread, self.outcome = None, None
-        if isinstance(results, BaseException):
-            raise results
-        self.run.record_evaluation({**taken, **results}, iteration)
-
-
 def format_eval(results, args, iteration):
     values = " ".join(f"{results[f'eval/success_depth_{k}']:.3f}" for k in range(1, args.depth + 1))
     return f"update {iteration} success by depth 1..{args.depth} (mean over tasks): {values}"
@@ -849,9 +806,6 @@ def train(args: Args):
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=1, updates_per_iteration=1,
               progress="updates")
     graphed_update, eval_env = None, None  # the evaluation vector env is made at the first evaluation, then kept
-    background = BackgroundEvaluation(run)
-    if args.eval_in_background and run.wandb_run is not None:  # W&B draws each evaluation at the update it evaluated
-        run.wandb_run.define_metric("eval/*", step_metric="charts/evaluated_step")
     lambda_depth_now = None
 
     with run:
@@ -869,16 +823,18 @@ def train(args: Args):
 
             if run.log_due():
                 run.log({"charts/lambda_depth": lam})
-            background.log_if_done()
+            run.log_background_evaluation()
             if args.eval_episodes > 0 and run.evaluate_due():
                 eval_env = eval_env or make_eval_vector_env(args.env_name, args.eval_envs, args.eval_async)
-                if args.eval_in_background:
-                    background.start(network.actor, eval_env, args.eval_episodes, seed=args.seed + 1000)
+                if args.eval_in_background:  # a CPU copy: its steps never wait behind the updates queued on a GPU
+                    actor = copy.deepcopy(network.actor).requires_grad_(False).cpu()
+                    run.evaluate_in_background(evaluate, actor, eval_env, args.eval_episodes, torch.device("cpu"),
+                                               seed=args.seed + 1000)
                 else:
                     run.evaluate(evaluate, network.actor, eval_env, args.eval_episodes, device, seed=args.seed + 1000)
             run.save_due()
         if run.stop.reason is None:
-            background.wait()  # the last evaluation is logged before final.pt holds the metrics
+            run.log_background_evaluation(wait=True)  # logged before final.pt holds the metrics
         if eval_env is not None:
             eval_env.close()
     return run.finish()  # final.pt, or latest.pt after a stop

@@ -600,6 +600,7 @@ class Run:
             raise PermissionError(f"run folder {self.dir} is not writable; point --run-dir at a writable folder")
         self.iteration = self.global_step = self.updates = self.iteration_updates = 0
         self.last_metrics, self.wandb_id = {}, None
+        self.background = None  # evaluate_in_background's thread, its outcome, the step and iteration it evaluates
         if checkpoint is not None:
             for name, part in parts.items():
                 if part is not None and checkpoint.get(name) is not None:
@@ -773,6 +774,39 @@ class Run:
         self.record_evaluation({"phase": self.phase_of(self.iteration - 1)[0], **results}, self.iteration)
         self.clock = time.perf_counter()
         return results
+
+    def evaluate_in_background(self, evaluate, *args, **kwargs):
+        """evaluate(*args, **kwargs) in a thread while training goes on, one at a time (the last one is logged first,
+        waited for if it still runs). Pass it what training must not change under it: a copy of the weights. It is
+        logged when it ends (log_background_evaluation), with charts/evaluated_step, the step it evaluated, which
+        W&B plots its eval/* against."""
+        self.log_background_evaluation(wait=True)
+        if self.wandb_run is not None:
+            self.wandb_run.define_metric("eval/*", step_metric="charts/evaluated_step")
+        taken = {"phase": self.phase_of(self.iteration - 1)[0], "charts/evaluated_step": self.global_step}
+        outcome = {}
+
+        def evaluate_apart():
+            try:
+                outcome["results"] = evaluate(*args, **kwargs)
+            except BaseException as error:  # raised again in the training loop
+                outcome["error"] = error
+
+        thread = threading.Thread(target=evaluate_apart, name="evaluation", daemon=True)
+        thread.start()
+        self.background = (thread, outcome, taken, self.iteration)
+
+    def log_background_evaluation(self, wait=False):
+        """The background evaluation's metrics, logged once it has ended (with wait, once it ends); an error in it is
+        raised here. A stopped run does not wait: its last evaluation goes unlogged."""
+        if self.background is None or (self.background[0].is_alive() and not wait):
+            return
+        thread, outcome, taken, iteration = self.background
+        thread.join()
+        self.background = None
+        if "error" in outcome:
+            raise outcome["error"]
+        self.record_evaluation({**taken, **outcome["results"]}, iteration)
 
     def record_evaluation(self, results, iteration):
         """An evaluation's metrics (of the weights after `iteration` iterations): logged at the current step and
