@@ -552,6 +552,7 @@ class Run:
                 run.update_steps(n)         the iteration's update loop; it ends early when a stop comes
                 run.end_iteration()         the counters move on (False when a stop cut the updates short)
                 run.log_due() / run.log(metrics), run.evaluate_due() / run.evaluate(fn, ...), run.save_due()
+                run.evaluate_in_background(fn, ...) / run.log_background_evaluation(): training goes on meanwhile
         run.finish()               final.pt and how to evaluate it, or latest.pt and the command that resumes the run
 
     `script` is the module of the script (sys.modules[__name__]): the names this module's docstring lists.
