@@ -3,7 +3,8 @@ runs (no splits) in one panel.
 bench/seed_table.py: the mean and sample std over seeds of eval_adaptive.py results, runs of one seed joined, and
 each seed's mean depth at matched success; its figure of the same means.
 bench/plot_flexloop_length.py: the seed means of depth and success at each FlexLoop length, and a clear refusal.
-bench/runs_per_gpu.py: copies started together, their rates summed line by line against one alone; clear refusals."""
+bench/runs_per_gpu.py: copies started together, their rates summed line by line against one alone; clear refusals.
+bench/iql_seeds.py: an update of N stacked GC-IQL seeds is N separate updates."""
 
 import importlib.util
 import json
@@ -282,3 +283,22 @@ def test_seed_table_plot_keeps_long_legends_inside_the_figure(tmp_path):
     for ax in fig.axes:  # and the legend sits below the panels' x labels, not over them
         assert legend.y1 <= ax.get_tightbbox(renderer).y0
     plt.close("all")
+
+
+def test_iql_seeds_stacked_update_is_the_separate_updates(monkeypatch):
+    import dataclasses
+
+    import torch
+
+    import flexloop_gciql as gciql
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    iql_seeds = load_bench("iql_seeds")
+    args = gciql.resolve_dataset_defaults(dataclasses.replace(
+        gciql.Args(), env_name="cube-double-play-v0", batch_size=16, hidden_dim=32))
+    agents, _ = iql_seeds.build_seeds(args, [1, 2], torch.device("cpu"))
+    first, second = (dict(a.named_parameters())["critic.gates.weight"] for a in agents)
+    assert not torch.equal(first, second)  # each seed starts from its own weights
+
+    result = iql_seeds.check_against_separate(args, [1, 2, 3], torch.device("cpu"), updates=3)
+    assert result["max_weight_change"] > 1e-4  # the updates moved the weights...
+    assert result["max_difference"] < 1e-5  # ...as three separate runs' updates on the same batches do
