@@ -170,7 +170,9 @@ def measure(args, seeds, device, mode, num_updates, profile):
               "seed_updates_per_second": round(len(seeds) * num_updates / elapsed, 1),
               "critic_loss_per_seed": [round(x, 5) for x in (loss_sums[:, 1] / num_updates).tolist()]}
     if profile and device.type == "cuda":
-        result["largest_costs"], result["kernels_per_update"] = profile_kernels(update, device)
+        result["profile"] = profile_kernels(update, device)  # per update
+        device_seconds = result["profile"]["device_us_per_call"] / 1e6
+        result["gpu_busy_share"] = round(device_seconds * result["updates_per_second"], 3)  # device over wall time
     return result
 
 
@@ -181,8 +183,8 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--counts", type=int, nargs="+", default=None,
                         help="stack the first N of --seeds for each N given (default: 1 and all of them)")
-    parser.add_argument("--modes", nargs="+", default=None, help="eager, graph, compile, compile-graph (default: compile-graph "
-                        "on a GPU, eager on a CPU)")
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help="eager, graph, compile, compile-graph (default: compile-graph on a GPU, eager on a CPU)")
     parser.add_argument("--updates", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--hidden-dim", type=int, default=256)

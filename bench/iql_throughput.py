@@ -93,7 +93,9 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
               "minutes_per_1M_updates": round(1e6 * elapsed / num_updates / 60, 1),
               "critic_loss": round(means[1], 5), "depth_kl": round(means[3], 5)}
     if profile and device.type == "cuda":
-        result["largest_costs"], result["kernels_per_update"] = profile_kernels(update, device)
+        result["profile"] = profile_kernels(update, device)  # per update
+        device_seconds = result["profile"]["device_us_per_call"] / 1e6
+        result["gpu_busy_share"] = round(device_seconds * result["updates_per_second"], 3)  # device over wall time
     return result
 
 

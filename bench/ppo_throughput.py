@@ -82,11 +82,6 @@ def time_rollout_and_eval(args, device, graphed, profile=False, profile_top=8, c
     return times
 
 
-def gpu_time(largest):
-    """The GPU microseconds of one call, from the largest kernel's time and share."""
-    return round(largest[0]["us_per_update"] / largest[0]["share"], 1) if largest and largest[0]["share"] else None
-
-
 def profile_rollout_and_update(args, device, network, buffers, rollout, top=8, compile_mode=None,
                                grads_to_none=False):
     """Kernels of the replayed rollout (per env step) and of one minibatch update of each phase, compiled and
@@ -94,10 +89,10 @@ def profile_rollout_and_update(args, device, network, buffers, rollout, top=8, c
     the KL at every depth), with the FlexLoop update's `top` kernels. compile_mode: torch.compile's mode for the
     profiled updates (train() uses the default). grads_to_none: zero_grad(set_to_none=True) in place of the
     script's zeroing, so backward writes the gradients instead of adding them to zeros (a measurement only)."""
-    largest, kernels = profile_kernels(rollout, device, updates=2, top=5)
-    result = {"rollout_kernels_per_step": round(kernels / args.num_steps, 1),
-              "rollout_us_per_step": round(gpu_time(largest) / args.num_steps, 1) if gpu_time(largest) else None,
-              "rollout_largest": largest}
+    profiled = profile_kernels(rollout, device, calls=2, top=5)
+    result = {"rollout_kernels_per_step": round(profiled["kernels_per_call"] / args.num_steps, 1),
+              "rollout_us_per_step": round(profiled["device_us_per_call"] / args.num_steps, 1),
+              "rollout_largest": profiled["largest"]}
     on_cuda = device.type == "cuda"  # as train() builds it
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, eps=args.adam_eps, capturable=on_cuda,
                                  fused=on_cuda)
@@ -111,11 +106,13 @@ def profile_rollout_and_update(args, device, network, buffers, rollout, top=8, c
                                    loss_sums, every_depth=phase == "flexloop")
         update = flexloop_run.capture_cuda_graph(torch.compile(update, mode=compile_mode) if args.compile else update,
                                                  [])
-        largest, kernels = profile_kernels(update, device, updates=20, top=top)
+        profiled = profile_kernels(update, device, calls=20, top=top)
         if phase == "pretrain":
-            result.update(pretrain_update_kernels=kernels, pretrain_update_us=gpu_time(largest))
+            result.update(pretrain_update_kernels=profiled["kernels_per_call"],
+                          pretrain_update_us=profiled["device_us_per_call"])
         else:
-            result.update(update_kernels=kernels, update_us=gpu_time(largest), update_largest=largest)
+            result.update(update_kernels=profiled["kernels_per_call"], update_us=profiled["device_us_per_call"],
+                          update_us_by_kind=profiled["us_per_call_by_kind"], update_largest=profiled["largest"])
     return result
 
 

@@ -1,7 +1,8 @@
-"""GPU profiles for the bench scripts: the largest kernels of a step (and, uncaptured, the ops that launch them),
-and torch.compile's inductor options to try (--inductor KEY=VALUE)."""
+"""GPU profiles for the bench scripts: where a step's device time goes by kind of kernel, its largest kernels (and,
+uncaptured, the ops that launch them), and torch.compile's inductor options to try (--inductor KEY=VALUE)."""
 
 import ast
+import re
 
 import torch
 
@@ -46,20 +47,48 @@ def grads_written_by_backward(optimizer):
     optimizer.zero_grad = lambda set_to_none=True: zero_grad(set_to_none=True)
 
 
-def profile_kernels(update, device, updates=20, top=8):
-    """The `top` GPU kernels by total time over `updates` updates, with their share of the GPU time, and how many
-    kernels one update launches."""
+# Matched against a kernel's whole demangled name, whose template arguments name the functor (on a CPU, ATen op names).
+KERNEL_KINDS = (
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|splitK|^triton_tem|aten::(bmm|mm|addmm|matmul|linear)\b",
+                          re.I)),
+    ("gather and copy", re.compile(r"index|gather|scatter|CatArray|aten::cat\b|copy|scan|cumsum|nonzero|sort", re.I)),
+)
+OTHER_KIND = "elementwise and reductions"
+
+
+def kernel_kind(name):
+    """The kind of a kernel, from its name: 'void at::native::index_elementwise_kernel<...>(...)' is a gather, an
+    elementwise kernel of 'direct_copy_kernel_cuda' a copy."""
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), OTHER_KIND)
+
+
+def profile_kernels(fn, device, calls=20, top=8):
+    """Per call of fn(), over `calls` calls: the kernels' summed device time, split by kind of kernel (matmul; gather
+    and copy; elementwise and reductions), how many kernels of each kind, and the `top` largest kernels with their
+    kind and share. Against a call's wall time, the device time says how busy fn keeps the GPU. On a CPU the
+    "kernels" are the ATen ops' own CPU time."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(updates):
-            update()
+    on_gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
         sync(device)
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] or list(prof.key_averages())
-    total = sum(e.self_device_time_total for e in events)
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    largest = [{"kernel": e.key[:90], "share": round(e.self_device_time_total / total, 3),
-                "us_per_update": round(e.self_device_time_total / updates, 1)} for e in events[:top]]
-    return largest, round(sum(e.count for e in events) / updates, 1)
+    kind_name = "CUDA" if on_gpu else "CPU"
+    self_us = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    events = [e for e in prof.key_averages() if e.device_type.name == kind_name and self_us(e) > 0]
+    kinds = [name for name, _ in KERNEL_KINDS] + [OTHER_KIND]
+    us_by_kind, count_by_kind = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
+    for event in events:
+        us_by_kind[kernel_kind(event.key)] += self_us(event) / calls
+        count_by_kind[kernel_kind(event.key)] += event.count / calls
+    us_by_kind = {k: round(v, 1) for k, v in us_by_kind.items()}
+    total = sum(us_by_kind.values())
+    events.sort(key=self_us, reverse=True)
+    largest = [{"kernel": e.key[:90], "kind": kernel_kind(e.key), "share": round(self_us(e) / calls / total, 3),
+                "us_per_call": round(self_us(e) / calls, 1)} for e in events[:top]]
+    return {"device_us_per_call": round(total, 1), "us_per_call_by_kind": us_by_kind,
+            "kernels_per_call": round(sum(count_by_kind.values()), 1),
+            "kernels_per_call_by_kind": {k: round(v, 1) for k, v in count_by_kind.items()}, "largest": largest}
 
 
 def profile_ops(update, device, updates=20, top=8):

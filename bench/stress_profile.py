@@ -22,7 +22,6 @@ are the ATen ops' own CPU time.
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -32,47 +31,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import eval_adaptive  # noqa: E402
 import flexloop_run  # noqa: E402
-from profiling import sync  # noqa: E402
-
-# Matched against a kernel's whole demangled name, whose template arguments name the functor (on a CPU, ATen op names).
-KERNEL_KINDS = (
-    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|splitK|^triton_tem|aten::(bmm|mm|addmm|matmul|linear)\b",
-                          re.I)),
-    ("gather and copy", re.compile(r"index|gather|scatter|CatArray|aten::cat\b|copy|scan|cumsum|nonzero|sort", re.I)),
-)
-OTHER_KIND = "elementwise and reductions"
-
-
-def kernel_kind(name):
-    """The kind of a kernel, from its name: 'void at::native::index_elementwise_kernel<...>(...)' is a gather, an
-    elementwise kernel of 'direct_copy_kernel_cuda' a copy."""
-    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), OTHER_KIND)
-
+from profiling import profile_kernels, sync  # noqa: E402
 
 def profile_steps(step, steps, device):
-    """Device time per call of step() by kernel kind, kernels per call, and the five largest kernels."""
-    from torch.profiler import ProfilerActivity, profile
-    on_gpu = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-        sync(device)
-    kind = "CUDA" if on_gpu else "CPU"
-    events = [e for e in prof.key_averages() if e.device_type.name == kind]
-    self_us = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
-    events = [e for e in events if self_us(e) > 0]
-    kinds = [name for name, _ in KERNEL_KINDS] + [OTHER_KIND]
-    by_kind, count_by_kind = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
-    for event in events:
-        by_kind[kernel_kind(event.key)] += self_us(event) / steps / 1000
-        count_by_kind[kernel_kind(event.key)] += event.count / steps
-    total = sum(by_kind.values())
-    events.sort(key=self_us, reverse=True)
-    largest = [{"kernel": e.key[:90], "kind": kernel_kind(e.key), "share": round(self_us(e) / steps / 1000 / total, 3)}
-               for e in events[:5]]
-    return {"device_ms_per_step": total, "ms_per_step_by_kind": by_kind,
-            "kernels_per_step": sum(count_by_kind.values()), "kernels_per_step_by_kind": count_by_kind,
-            "largest": largest}
+    """Device time per call of step() by kernel kind, kernels per call, and the five largest kernels (in ms)."""
+    profiled = profile_kernels(step, device, calls=steps, top=5)
+    return {"device_ms_per_step": profiled["device_us_per_call"] / 1000,
+            "ms_per_step_by_kind": {k: v / 1000 for k, v in profiled["us_per_call_by_kind"].items()},
+            "kernels_per_step": profiled["kernels_per_call"],
+            "kernels_per_step_by_kind": profiled["kernels_per_call_by_kind"],
+            "largest": [{k: v for k, v in e.items() if k != "us_per_call"} for e in profiled["largest"]]}
 
 
 def main(argv=None):

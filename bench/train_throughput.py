@@ -99,7 +99,9 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes, all_act
               "updates_per_second": round(num_updates / elapsed, 1),
               "td_loss_mean": round(loss_sums[0].item() / max(1, num_updates), 5)}
     if profile and device.type == "cuda":
-        result["largest_costs"], result["kernels_per_update"] = profile_kernels(update, device)
+        result["profile"] = profile_kernels(update, device)  # per update
+        device_seconds = result["profile"]["device_us_per_call"] / 1e6
+        result["gpu_busy_share"] = round(device_seconds * result["updates_per_second"], 3)  # device over wall time
         if mode == "compile":  # not captured, so the profiler still sees which op launched each kernel
             result["largest_ops"] = profile_ops(update, device)
     return result

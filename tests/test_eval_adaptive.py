@@ -497,7 +497,7 @@ def test_stress_profile_bench_splits_each_modes_step_by_kind_of_kernel(checkpoin
 
 def test_stress_profile_sorts_gpu_kernels_by_kind():
     sys.path.insert(0, str(ROOT / "bench"))
-    from stress_profile import kernel_kind
+    from profiling import kernel_kind
     assert kernel_kind("sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize128x128x32") == "matmul"
     assert kernel_kind("nvjet_tst_128x64_64x8_1x2_h_bz_TNN") == "matmul"
     assert kernel_kind("void splitKreduce_kernel<32, 16, int, float, float>(...)") == "matmul"
