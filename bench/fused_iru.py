@@ -1,0 +1,185 @@
+"""One IRU step as one Triton kernel, against the scripts' `advance` (eager and torch.compile'd), without gradient.
+
+    python bench/fused_iru.py                          # on a GPU: microseconds per step at each script's shapes
+    TRITON_INTERPRET=1 python bench/fused_iru.py --check --device cpu      # the kernel's numbers, on a CPU
+
+The IRU step (docs/reference.md) is a LayerNorm, one GEMM and a few elementwise ops:
+
+    z = LayerNorm(concat[x_emb, h]),   f, i = sigmoid, tanh of (z W + b) halves,   c = f c + (1 - f) i,   h = h + tanh(c)
+
+Compiled, it is three kernels a step (the LayerNorm with the concatenation, the GEMM, the gates), each a pass over
+every row in memory. Without gradient (acting, evaluation, adaptive inference, target networks) nothing between
+them needs to be kept, so the kernel here does the whole step per block of rows: the row's LayerNorm statistics,
+then the GEMM with the normalisation applied as the operand is loaded, then the gates and the new c and h in the
+GEMM's epilogue. It reads x_emb, c and h once and writes c and h once. Members (GC-DQN's critics, GC-IQL's critic
+ensemble) are a grid axis, as the scripts' batched matmuls have them. The residual variant only (h carried).
+
+Prints one JSON line per shape: the compiled step's and the fused kernel's microseconds and the largest difference
+of c and h between them. The bench measures; the scripts do not use the kernel.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import flexloop_gciql as gciql  # noqa: E402
+from profiling import sync  # noqa: E402
+
+# (script, members, rows per member, hidden width): where the step runs without gradient in each script.
+SHAPES = (
+    ("gcdqn adaptive inference, 32,768 envs x 6 actions", 2, 32768 * 6, 256),
+    ("gcdqn target network, batch 1,024 x 6 actions", 2, 1024 * 6, 256),
+    ("gciql target critics, batch 1,024", 2, 1024, 256),
+    ("gcppo rollout, 2,048 envs", 1, 2048, 64),
+)
+
+
+@triton.jit
+def gate_products(part, offs_m, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights, first_feature, forget, candidate,
+                  D: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Add one half of z (x_emb's D features, or h's) times its rows of the gate weights to the two accumulators,
+    z normalised as it is loaded."""
+    for k in range(0, D, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        feature = first_feature + offs_k
+        z = tl.load(part + offs_m[:, None] * D + offs_k[None, :], mask=row_ok[:, None], other=0.0)
+        z = (z - mean[:, None]) * rstd[:, None] * tl.load(ln_w + feature)[None, :] + tl.load(ln_b + feature)[None, :]
+        w_rows = weights + feature[:, None] * (2 * D)
+        forget += tl.dot(z, tl.load(w_rows + offs_n[None, :]))
+        candidate += tl.dot(z, tl.load(w_rows + D + offs_n[None, :]))
+    return forget, candidate
+
+
+@triton.jit
+def iru_step_kernel(x_emb_ptr, c_ptr, h_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, c_out_ptr, h_out_ptr, rows,
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EPS: tl.constexpr):
+    """Rows [pid_m * BLOCK_M, +BLOCK_M) and hidden columns [pid_n * BLOCK_N, +BLOCK_N) of one member (program axis 2).
+    State tensors are (members, rows, D), contiguous; the gates' weight is (members, 2D, 2D), input by output, its
+    first D outputs the forget gate's."""
+    pid_m, pid_n, member = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_m < rows
+    state = member * rows * D
+    x_emb, h_in = x_emb_ptr + state, h_ptr + state
+
+    # LayerNorm statistics of z = concat[x_emb, h] (2D features), per row, in float32.
+    total = tl.zeros((BLOCK_M,), tl.float32)
+    total_sq = tl.zeros((BLOCK_M,), tl.float32)
+    for k in range(0, D, BLOCK_K):
+        offs = offs_m[:, None] * D + (k + tl.arange(0, BLOCK_K))[None, :]
+        z_x = tl.load(x_emb + offs, mask=row_ok[:, None], other=0.0)
+        z_h = tl.load(h_in + offs, mask=row_ok[:, None], other=0.0)
+        total += tl.sum(z_x, 1) + tl.sum(z_h, 1)
+        total_sq += tl.sum(z_x * z_x, 1) + tl.sum(z_h * z_h, 1)
+    mean = total / (2 * D)
+    rstd = 1.0 / tl.sqrt(total_sq / (2 * D) - mean * mean + EPS)
+
+    # z W for the forget and the input columns of this block.
+    forget = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    candidate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    ln_w, ln_b = ln_w_ptr + member * 2 * D, ln_b_ptr + member * 2 * D
+    weights = w_ptr + member * (2 * D) * (2 * D)
+    forget, candidate = gate_products(x_emb, offs_m, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights, 0, forget,
+                                      candidate, D, BLOCK_K)
+    forget, candidate = gate_products(h_in, offs_m, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights, D, forget,
+                                      candidate, D, BLOCK_K)
+
+    # The gates and the new state, in the GEMM's epilogue (tanh(x) = 2 sigmoid(2x) - 1).
+    forget = tl.sigmoid(forget + tl.load(b_ptr + member * 2 * D + offs_n)[None, :])
+    candidate = 2 * tl.sigmoid(2 * (candidate + tl.load(b_ptr + member * 2 * D + D + offs_n)[None, :])) - 1
+    tile = offs_m[:, None] * D + offs_n[None, :]
+    c = tl.load(c_ptr + state + tile, mask=row_ok[:, None], other=0.0)
+    h = tl.load(h_in + tile, mask=row_ok[:, None], other=0.0)
+    c = forget * c + (1 - forget) * candidate
+    h = h + 2 * tl.sigmoid(2 * c) - 1
+    tl.store(c_out_ptr + state + tile, c, mask=row_ok[:, None])
+    tl.store(h_out_ptr + state + tile, h, mask=row_ok[:, None])
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) tried per shape; the bench reports each and the fastest.
+CONFIGS = ((64, 64, 32, 4), (64, 128, 32, 8), (128, 64, 32, 8), (32, 64, 64, 4), (128, 128, 32, 8), (64, 64, 64, 4))
+
+
+def fused_advance(iru, state, config=(64, 64, 32, 4)):
+    """iru.advance(state) without gradient, in one kernel. iru: an IRU of flexloop_gciql (members, EnsembleLinear
+    gates); state: (x_emb, c, h), each (members, rows, D) float32; config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps),
+    BLOCK_N and BLOCK_K at most D."""
+    x_emb, c, h = (t.contiguous() for t in state)
+    members, rows, d = x_emb.shape
+    block_m, block_n, block_k, num_warps = config
+    c_out, h_out = torch.empty_like(c), torch.empty_like(h)
+    grid = (triton.cdiv(rows, block_m), d // block_n, members)
+    iru_step_kernel[grid](x_emb, c, h, iru.gate_norm.weight, iru.gate_norm.bias, iru.gates.weight, iru.gates.bias,
+                          c_out, h_out, rows, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EPS=1e-5,
+                          num_warps=num_warps)
+    return x_emb, c_out, h_out
+
+
+def random_state(members, rows, d, device, generator):
+    """A state as a few steps leave it: x_emb normalised, c in (-1, 1), h of a few tanh's."""
+    x_emb = torch.randn(members, rows, d, device=device, generator=generator)
+    c = torch.rand(members, rows, d, device=device, generator=generator) * 2 - 1
+    h = torch.randn(members, rows, d, device=device, generator=generator) * 2
+    return x_emb, c, h
+
+
+def time_step(step, state, device, repeats):
+    for _ in range(3):
+        step(state)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step(state)
+    sync(device)
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+@torch.no_grad()
+def measure(name, members, rows, d, device, repeats, check_only):
+    torch.manual_seed(0)
+    iru = gciql.IRU(in_dim=8, out_dim=1, hidden_dim=d, members=members).to(device)
+    iru.gate_norm.weight.uniform_(0.5, 1.5)  # LayerNorm's affine away from its initial 1 and 0, so the check sees it
+    iru.gate_norm.bias.uniform_(-0.2, 0.2)
+    state = random_state(members, rows, d, device, torch.Generator(device).manual_seed(0))
+    _, c_ref, h_ref = iru.advance(state)
+    configs = [config for config in CONFIGS if config[1] <= d and config[2] <= d and d % config[1] == 0]
+    result = {"shape": name, "members": members, "rows": rows, "hidden": d, "max_difference": 0.0}
+    for config in configs:
+        _, c_fused, h_fused = fused_advance(iru, state, config)
+        difference = max((c_ref - c_fused).abs().max().item(), (h_ref - h_fused).abs().max().item())
+        result["max_difference"] = max(result["max_difference"], difference)
+    if check_only:
+        return result
+    compiled = torch.compile(iru.advance)
+    result.update(eager_us=round(time_step(iru.advance, state, device, repeats), 1),
+                  compiled_us=round(time_step(compiled, state, device, repeats), 1))
+    fused = {str(config): round(time_step(lambda s: fused_advance(iru, s, config), state, device, repeats), 1)
+             for config in configs}
+    result.update(fused_us_by_config=fused, fused_us=min(fused.values()))
+    result["speedup_over_compiled"] = round(result["compiled_us"] / result["fused_us"], 2)
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--check", action="store_true", help="compare the numbers only, at small shapes (on a CPU: "
+                        "with TRITON_INTERPRET=1)")
+    cli = parser.parse_args()
+    device = torch.device(cli.device)
+    torch.backends.cuda.matmul.allow_tf32 = True  # as the scripts run: the kernel's tl.dot is TF32 too
+    card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    shapes = [(name, members, 100 if cli.check else rows, d) for name, members, rows, d in SHAPES]
+    for name, members, rows, d in shapes:
+        result = measure(name, members, rows, d, device, cli.repeats, cli.check)
+        print(json.dumps({**result, "device": card, "torch": torch.__version__}), flush=True)
