@@ -14,8 +14,13 @@ then the GEMM with the normalisation applied as the operand is loaded, then the 
 GEMM's epilogue. It reads x_emb, c and h once and writes c and h once. Members (GC-DQN's critics, GC-IQL's critic
 ensemble) are a grid axis, as the scripts' batched matmuls have them. The residual variant only (h carried).
 
-Prints one JSON line per shape: the compiled step's and the fused kernel's microseconds and the largest difference
-of c and h between them. The bench measures; the scripts do not use the kernel.
+Adaptive inference gathers the rows still going after each depth (network.gather) before the next step: a copy of
+x_emb, c and h. With a row index the kernel reads those rows where they are and writes the step's state compacted,
+so the compaction costs no pass of its own; the bench times that too (--keep: the share of rows kept).
+
+Prints one JSON line per shape: the compiled step's and the fused kernel's microseconds (each block size tried, the
+fastest), on every row and on the gathered rows, and the largest difference of the state between them. The bench
+measures; the scripts do not use the kernel.
 """
 
 import argparse
@@ -42,14 +47,14 @@ SHAPES = (
 
 
 @triton.jit
-def gate_products(part, offs_m, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights, first_feature, forget, candidate,
+def gate_products(part, source, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights, first_feature, forget, candidate,
                   D: tl.constexpr, BLOCK_K: tl.constexpr):
     """Add one half of z (x_emb's D features, or h's) times its rows of the gate weights to the two accumulators,
     z normalised as it is loaded."""
     for k in range(0, D, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         feature = first_feature + offs_k
-        z = tl.load(part + offs_m[:, None] * D + offs_k[None, :], mask=row_ok[:, None], other=0.0)
+        z = tl.load(part + source[:, None] * D + offs_k[None, :], mask=row_ok[:, None], other=0.0)
         z = (z - mean[:, None]) * rstd[:, None] * tl.load(ln_w + feature)[None, :] + tl.load(ln_b + feature)[None, :]
         w_rows = weights + feature[:, None] * (2 * D)
         forget += tl.dot(z, tl.load(w_rows + offs_n[None, :]))
@@ -58,28 +63,38 @@ def gate_products(part, offs_m, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights,
 
 
 @triton.jit
-def iru_step_kernel(x_emb_ptr, c_ptr, h_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, c_out_ptr, h_out_ptr, rows,
-                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EPS: tl.constexpr):
-    """Rows [pid_m * BLOCK_M, +BLOCK_M) and hidden columns [pid_n * BLOCK_N, +BLOCK_N) of one member (program axis 2).
-    State tensors are (members, rows, D), contiguous; the gates' weight is (members, 2D, 2D), input by output, its
-    first D outputs the forget gate's."""
+def iru_step_kernel(x_emb_ptr, c_ptr, h_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, source_ptr, x_emb_out_ptr, c_out_ptr,
+                    h_out_ptr, in_rows, rows, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EPS: tl.constexpr, GATHER: tl.constexpr):
+    """Output rows [pid_m * BLOCK_M, +BLOCK_M) and hidden columns [pid_n * BLOCK_N, +BLOCK_N) of one member (program
+    axis 2). State tensors are (members, in_rows, D) in and (members, rows, D) out, contiguous; the gates' weight is
+    (members, 2D, 2D), input by output, its first D outputs the forget gate's. GATHER: output row r advances input
+    row source[member, r], and x_emb is copied out too (adaptive inference's compaction, in the same pass);
+    otherwise row r advances row r and x_emb stays where it is."""
     pid_m, pid_n, member = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = offs_m < rows
-    state = member * rows * D
-    x_emb, h_in = x_emb_ptr + state, h_ptr + state
+    if GATHER:
+        source = tl.load(source_ptr + member * rows + offs_m, mask=row_ok, other=0)
+    else:
+        source = offs_m
+    x_emb, h_in, c_in = (x_emb_ptr + member * in_rows * D, h_ptr + member * in_rows * D,
+                         c_ptr + member * in_rows * D)
 
     # LayerNorm statistics of z = concat[x_emb, h] (2D features), per row, in float32.
     total = tl.zeros((BLOCK_M,), tl.float32)
     total_sq = tl.zeros((BLOCK_M,), tl.float32)
     for k in range(0, D, BLOCK_K):
-        offs = offs_m[:, None] * D + (k + tl.arange(0, BLOCK_K))[None, :]
-        z_x = tl.load(x_emb + offs, mask=row_ok[:, None], other=0.0)
-        z_h = tl.load(h_in + offs, mask=row_ok[:, None], other=0.0)
+        offs_k = k + tl.arange(0, BLOCK_K)
+        z_x = tl.load(x_emb + source[:, None] * D + offs_k[None, :], mask=row_ok[:, None], other=0.0)
+        z_h = tl.load(h_in + source[:, None] * D + offs_k[None, :], mask=row_ok[:, None], other=0.0)
         total += tl.sum(z_x, 1) + tl.sum(z_h, 1)
         total_sq += tl.sum(z_x * z_x, 1) + tl.sum(z_h * z_h, 1)
+        if GATHER:
+            if pid_n == 0:  # one column block copies the compacted x_emb
+                out = x_emb_out_ptr + member * rows * D + offs_m[:, None] * D + offs_k[None, :]
+                tl.store(out, z_x, mask=row_ok[:, None])
     mean = total / (2 * D)
     rstd = 1.0 / tl.sqrt(total_sq / (2 * D) - mean * mean + EPS)
 
@@ -88,40 +103,52 @@ def iru_step_kernel(x_emb_ptr, c_ptr, h_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, c
     candidate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     ln_w, ln_b = ln_w_ptr + member * 2 * D, ln_b_ptr + member * 2 * D
     weights = w_ptr + member * (2 * D) * (2 * D)
-    forget, candidate = gate_products(x_emb, offs_m, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights, 0, forget,
+    forget, candidate = gate_products(x_emb, source, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights, 0, forget,
                                       candidate, D, BLOCK_K)
-    forget, candidate = gate_products(h_in, offs_m, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights, D, forget,
+    forget, candidate = gate_products(h_in, source, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights, D, forget,
                                       candidate, D, BLOCK_K)
 
     # The gates and the new state, in the GEMM's epilogue (tanh(x) = 2 sigmoid(2x) - 1).
     forget = tl.sigmoid(forget + tl.load(b_ptr + member * 2 * D + offs_n)[None, :])
     candidate = 2 * tl.sigmoid(2 * (candidate + tl.load(b_ptr + member * 2 * D + D + offs_n)[None, :])) - 1
-    tile = offs_m[:, None] * D + offs_n[None, :]
-    c = tl.load(c_ptr + state + tile, mask=row_ok[:, None], other=0.0)
-    h = tl.load(h_in + tile, mask=row_ok[:, None], other=0.0)
+    tile_in = source[:, None] * D + offs_n[None, :]
+    c = tl.load(c_in + tile_in, mask=row_ok[:, None], other=0.0)
+    h = tl.load(h_in + tile_in, mask=row_ok[:, None], other=0.0)
     c = forget * c + (1 - forget) * candidate
     h = h + 2 * tl.sigmoid(2 * c) - 1
-    tl.store(c_out_ptr + state + tile, c, mask=row_ok[:, None])
-    tl.store(h_out_ptr + state + tile, h, mask=row_ok[:, None])
+    tile_out = member * rows * D + offs_m[:, None] * D + offs_n[None, :]
+    tl.store(c_out_ptr + tile_out, c, mask=row_ok[:, None])
+    tl.store(h_out_ptr + tile_out, h, mask=row_ok[:, None])
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) tried per shape; the bench reports each and the fastest.
 CONFIGS = ((64, 64, 32, 4), (64, 128, 32, 8), (128, 64, 32, 8), (32, 64, 64, 4), (128, 128, 32, 8), (64, 64, 64, 4))
 
 
-def fused_advance(iru, state, config=(64, 64, 32, 4)):
-    """iru.advance(state) without gradient, in one kernel. iru: an IRU of flexloop_gciql (members, EnsembleLinear
-    gates); state: (x_emb, c, h), each (members, rows, D) float32; config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps),
-    BLOCK_N and BLOCK_K at most D."""
+def fused_advance(iru, state, config=(64, 64, 32, 4), source=None):
+    """iru.advance(state) without gradient, in one kernel; with `source` (members, rows) long, the step of the rows
+    source[m] of each member m alone, compacted: iru.advance(gather(state, source)). iru: an IRU of flexloop_gciql
+    (members, EnsembleLinear gates); state: (x_emb, c, h), each (members, in_rows, D) float32; config: (BLOCK_M,
+    BLOCK_N, BLOCK_K, num_warps), BLOCK_N and BLOCK_K at most D."""
     x_emb, c, h = (t.contiguous() for t in state)
-    members, rows, d = x_emb.shape
+    members, in_rows, d = x_emb.shape
+    rows = in_rows if source is None else source.shape[1]
     block_m, block_n, block_k, num_warps = config
-    c_out, h_out = torch.empty_like(c), torch.empty_like(h)
+    x_emb_out = x_emb if source is None else x_emb.new_empty(members, rows, d)
+    c_out, h_out = c.new_empty(members, rows, d), h.new_empty(members, rows, d)
     grid = (triton.cdiv(rows, block_m), d // block_n, members)
     iru_step_kernel[grid](x_emb, c, h, iru.gate_norm.weight, iru.gate_norm.bias, iru.gates.weight, iru.gates.bias,
-                          c_out, h_out, rows, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EPS=1e-5,
+                          c if source is None else source.contiguous(), x_emb_out, c_out, h_out, in_rows, rows,
+                          D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EPS=1e-5, GATHER=source is not None,
                           num_warps=num_warps)
-    return x_emb, c_out, h_out
+    return x_emb_out, c_out, h_out
+
+
+def gathered_advance(iru, state, source):
+    """What fused_advance(..., source=source) computes, in PyTorch: gather the rows (as adaptive inference's
+    network.gather does), then the step."""
+    index = source[:, :, None].expand(-1, -1, state[0].shape[-1])
+    return iru.advance(tuple(t.gather(1, index) for t in state))
 
 
 def random_state(members, rows, d, device, generator):
@@ -144,28 +171,40 @@ def time_step(step, state, device, repeats):
 
 
 @torch.no_grad()
-def measure(name, members, rows, d, device, repeats, check_only):
+def measure(name, members, rows, d, device, repeats, check_only, keep):
+    """The step on every row, then (keep < 1) on a random `keep` of the rows, gathered: adaptive inference's step
+    after a compaction."""
     torch.manual_seed(0)
     iru = gciql.IRU(in_dim=8, out_dim=1, hidden_dim=d, members=members).to(device)
     iru.gate_norm.weight.uniform_(0.5, 1.5)  # LayerNorm's affine away from its initial 1 and 0, so the check sees it
     iru.gate_norm.bias.uniform_(-0.2, 0.2)
-    state = random_state(members, rows, d, device, torch.Generator(device).manual_seed(0))
-    _, c_ref, h_ref = iru.advance(state)
+    generator = torch.Generator(device).manual_seed(0)
+    state = random_state(members, rows, d, device, generator)
+    kept = max(1, int(rows * keep))
+    source = torch.stack([torch.randperm(rows, device=device, generator=generator)[:kept].sort().values
+                          for _ in range(members)])
     configs = [config for config in CONFIGS if config[1] <= d and config[2] <= d and d % config[1] == 0]
-    result = {"shape": name, "members": members, "rows": rows, "hidden": d, "max_difference": 0.0}
-    for config in configs:
-        _, c_fused, h_fused = fused_advance(iru, state, config)
-        difference = max((c_ref - c_fused).abs().max().item(), (h_ref - h_fused).abs().max().item())
-        result["max_difference"] = max(result["max_difference"], difference)
+    result = {"shape": name, "members": members, "rows": rows, "hidden": d, "kept_rows": kept}
+    references = {"all": iru.advance(state), "gathered": gathered_advance(iru, state, source)}
+    steps = {"all": lambda s, config: fused_advance(iru, s, config),
+             "gathered": lambda s, config: fused_advance(iru, s, config, source)}
+    difference = 0.0
+    for which, reference in references.items():
+        for config in configs:
+            fused = steps[which](state, config)
+            difference = max([difference] + [(r - f).abs().max().item() for r, f in zip(reference, fused)])
+    result["max_difference"] = difference
     if check_only:
         return result
-    compiled = torch.compile(iru.advance)
-    result.update(eager_us=round(time_step(iru.advance, state, device, repeats), 1),
-                  compiled_us=round(time_step(compiled, state, device, repeats), 1))
-    fused = {str(config): round(time_step(lambda s: fused_advance(iru, s, config), state, device, repeats), 1)
-             for config in configs}
-    result.update(fused_us_by_config=fused, fused_us=min(fused.values()))
-    result["speedup_over_compiled"] = round(result["compiled_us"] / result["fused_us"], 2)
+    compiled_advance = torch.compile(iru.advance)
+    compiled_gathered = torch.compile(lambda s: gathered_advance(iru, s, source))
+    for which, compiled in (("all", compiled_advance), ("gathered", compiled_gathered)):
+        fused = {str(config): round(time_step(lambda s: steps[which](s, config), state, device, repeats), 1)
+                 for config in configs}
+        result[which] = {"compiled_us": round(time_step(compiled, state, device, repeats), 1),
+                         "fused_us": min(fused.values()), "fused_us_by_config": fused}
+        result[which]["speedup_over_compiled"] = round(result[which]["compiled_us"] / result[which]["fused_us"], 2)
+    result["all"]["eager_us"] = round(time_step(iru.advance, state, device, repeats), 1)
     return result
 
 
@@ -173,6 +212,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--keep", type=float, default=0.6, help="the share of rows the gathered step advances")
     parser.add_argument("--check", action="store_true", help="compare the numbers only, at small shapes (on a CPU: "
                         "with TRITON_INTERPRET=1)")
     cli = parser.parse_args()
@@ -181,5 +221,5 @@ if __name__ == "__main__":
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     shapes = [(name, members, 100 if cli.check else rows, d) for name, members, rows, d in SHAPES]
     for name, members, rows, d in shapes:
-        result = measure(name, members, rows, d, device, cli.repeats, cli.check)
+        result = measure(name, members, rows, d, device, cli.repeats, cli.check, cli.keep)
         print(json.dumps({**result, "device": card, "torch": torch.__version__}), flush=True)
