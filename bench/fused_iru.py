@@ -1,7 +1,10 @@
 """One IRU step as one Triton kernel, against the scripts' `advance` (eager and torch.compile'd), without gradient.
 
     python bench/fused_iru.py                          # on a GPU: microseconds per step at each script's shapes
+    python bench/fused_iru.py --bf16                   # the GEMM in bf16, against the step under bf16 autocast
     TRITON_INTERPRET=1 python bench/fused_iru.py --check --device cpu      # the kernel's numbers, on a CPU
+
+(Triton 3.9's interpreter computes bf16 dots wrongly, so --bf16 is checked on a GPU only.)
 
 The IRU step (docs/reference.md) is a LayerNorm, one GEMM and a few elementwise ops:
 
@@ -48,14 +51,16 @@ SHAPES = (
 
 @triton.jit
 def gate_products(part, source, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights, first_feature, forget, candidate,
-                  D: tl.constexpr, BLOCK_K: tl.constexpr):
+                  D: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr):
     """Add one half of z (x_emb's D features, or h's) times its rows of the gate weights to the two accumulators,
-    z normalised as it is loaded."""
+    z normalised as it is loaded (and rounded to bf16 with BF16, the weights then bf16 too)."""
     for k in range(0, D, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         feature = first_feature + offs_k
         z = tl.load(part + source[:, None] * D + offs_k[None, :], mask=row_ok[:, None], other=0.0)
         z = (z - mean[:, None]) * rstd[:, None] * tl.load(ln_w + feature)[None, :] + tl.load(ln_b + feature)[None, :]
+        if BF16:
+            z = z.to(tl.bfloat16)
         w_rows = weights + feature[:, None] * (2 * D)
         forget += tl.dot(z, tl.load(w_rows + offs_n[None, :]))
         candidate += tl.dot(z, tl.load(w_rows + D + offs_n[None, :]))
@@ -65,7 +70,8 @@ def gate_products(part, source, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights,
 @triton.jit
 def iru_step_kernel(x_emb_ptr, c_ptr, h_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, source_ptr, x_emb_out_ptr, c_out_ptr,
                     h_out_ptr, in_rows, rows, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EPS: tl.constexpr, GATHER: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EPS: tl.constexpr, GATHER: tl.constexpr,
+                    BF16: tl.constexpr):
     """Output rows [pid_m * BLOCK_M, +BLOCK_M) and hidden columns [pid_n * BLOCK_N, +BLOCK_N) of one member (program
     axis 2). State tensors are (members, in_rows, D) in and (members, rows, D) out, contiguous; the gates' weight is
     (members, 2D, 2D), input by output, its first D outputs the forget gate's. GATHER: output row r advances input
@@ -104,9 +110,9 @@ def iru_step_kernel(x_emb_ptr, c_ptr, h_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, s
     ln_w, ln_b = ln_w_ptr + member * 2 * D, ln_b_ptr + member * 2 * D
     weights = w_ptr + member * (2 * D) * (2 * D)
     forget, candidate = gate_products(x_emb, source, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights, 0, forget,
-                                      candidate, D, BLOCK_K)
+                                      candidate, D, BLOCK_K, BF16)
     forget, candidate = gate_products(h_in, source, row_ok, offs_n, mean, rstd, ln_w, ln_b, weights, D, forget,
-                                      candidate, D, BLOCK_K)
+                                      candidate, D, BLOCK_K, BF16)
 
     # The gates and the new state, in the GEMM's epilogue (tanh(x) = 2 sigmoid(2x) - 1).
     forget = tl.sigmoid(forget + tl.load(b_ptr + member * 2 * D + offs_n)[None, :])
@@ -125,11 +131,12 @@ def iru_step_kernel(x_emb_ptr, c_ptr, h_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, s
 CONFIGS = ((64, 64, 32, 4), (64, 128, 32, 8), (128, 64, 32, 8), (32, 64, 64, 4), (128, 128, 32, 8), (64, 64, 64, 4))
 
 
-def fused_advance(iru, state, config=(64, 64, 32, 4), source=None):
+def fused_advance(iru, state, config=(64, 64, 32, 4), source=None, bf16=False):
     """iru.advance(state) without gradient, in one kernel; with `source` (members, rows) long, the step of the rows
     source[m] of each member m alone, compacted: iru.advance(gather(state, source)). iru: an IRU of flexloop_gciql
     (members, EnsembleLinear gates); state: (x_emb, c, h), each (members, in_rows, D) float32; config: (BLOCK_M,
-    BLOCK_N, BLOCK_K, num_warps), BLOCK_N and BLOCK_K at most D."""
+    BLOCK_N, BLOCK_K, num_warps), BLOCK_N and BLOCK_K at most D. bf16: the GEMM's operands in bf16 (accumulated in
+    float32), as the scripts' --bf16 autocast runs it; the state stays float32."""
     x_emb, c, h = (t.contiguous() for t in state)
     members, in_rows, d = x_emb.shape
     rows = in_rows if source is None else source.shape[1]
@@ -137,10 +144,11 @@ def fused_advance(iru, state, config=(64, 64, 32, 4), source=None):
     x_emb_out = x_emb if source is None else x_emb.new_empty(members, rows, d)
     c_out, h_out = c.new_empty(members, rows, d), h.new_empty(members, rows, d)
     grid = (triton.cdiv(rows, block_m), d // block_n, members)
-    iru_step_kernel[grid](x_emb, c, h, iru.gate_norm.weight, iru.gate_norm.bias, iru.gates.weight, iru.gates.bias,
+    weight = iru.gates.weight.to(torch.bfloat16) if bf16 else iru.gates.weight
+    iru_step_kernel[grid](x_emb, c, h, iru.gate_norm.weight, iru.gate_norm.bias, weight, iru.gates.bias,
                           c if source is None else source.contiguous(), x_emb_out, c_out, h_out, in_rows, rows,
-                          D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EPS=1e-5, GATHER=source is not None,
-                          num_warps=num_warps)
+                          D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EPS=1e-5,
+                          GATHER=source is not None, BF16=bf16, num_warps=num_warps)
     return x_emb_out, c_out, h_out
 
 
@@ -171,9 +179,9 @@ def time_step(step, state, device, repeats):
 
 
 @torch.no_grad()
-def measure(name, members, rows, d, device, repeats, check_only, keep):
-    """The step on every row, then (keep < 1) on a random `keep` of the rows, gathered: adaptive inference's step
-    after a compaction."""
+def measure(name, members, rows, d, device, repeats, check_only, keep, bf16):
+    """The step on every row, then on a random `keep` of the rows, gathered: adaptive inference's step after a
+    compaction. bf16: the reference runs under bf16 autocast (as the scripts' --bf16), the kernel's GEMM in bf16."""
     torch.manual_seed(0)
     iru = gciql.IRU(in_dim=8, out_dim=1, hidden_dim=d, members=members).to(device)
     iru.gate_norm.weight.uniform_(0.5, 1.5)  # LayerNorm's affine away from its initial 1 and 0, so the check sees it
@@ -184,27 +192,31 @@ def measure(name, members, rows, d, device, repeats, check_only, keep):
     source = torch.stack([torch.randperm(rows, device=device, generator=generator)[:kept].sort().values
                           for _ in range(members)])
     configs = [config for config in CONFIGS if config[1] <= d and config[2] <= d and d % config[1] == 0]
-    result = {"shape": name, "members": members, "rows": rows, "hidden": d, "kept_rows": kept}
-    references = {"all": iru.advance(state), "gathered": gathered_advance(iru, state, source)}
-    steps = {"all": lambda s, config: fused_advance(iru, s, config),
-             "gathered": lambda s, config: fused_advance(iru, s, config, source)}
-    difference = 0.0
+    autocast = lambda: torch.autocast(device.type, torch.bfloat16, enabled=bf16)  # noqa: E731
+    references = {"all": lambda s: iru.advance(s), "gathered": lambda s: gathered_advance(iru, s, source)}
+    fused_steps = {"all": lambda s, config: fused_advance(iru, s, config, bf16=bf16),
+                   "gathered": lambda s, config: fused_advance(iru, s, config, source, bf16)}
+    result = {"shape": name, "members": members, "rows": rows, "hidden": d, "kept_rows": kept, "bf16": bf16,
+              "max_difference": 0.0}
     for which, reference in references.items():
+        with autocast():
+            expected = reference(state)
         for config in configs:
-            fused = steps[which](state, config)
-            difference = max([difference] + [(r - f).abs().max().item() for r, f in zip(reference, fused)])
-    result["max_difference"] = difference
+            fused = fused_steps[which](state, config)
+            differences = [(e.float() - f).abs().max().item() for e, f in zip(expected, fused)]
+            result["max_difference"] = max([result["max_difference"]] + differences)
     if check_only:
         return result
-    compiled_advance = torch.compile(iru.advance)
-    compiled_gathered = torch.compile(lambda s: gathered_advance(iru, s, source))
-    for which, compiled in (("all", compiled_advance), ("gathered", compiled_gathered)):
-        fused = {str(config): round(time_step(lambda s: steps[which](s, config), state, device, repeats), 1)
+    for which, reference in references.items():
+        compiled = torch.compile(reference)
+        with autocast():
+            compiled_us = time_step(compiled, state, device, repeats)
+            eager_us = time_step(reference, state, device, repeats)
+        fused = {str(config): round(time_step(lambda s: fused_steps[which](s, config), state, device, repeats), 1)
                  for config in configs}
-        result[which] = {"compiled_us": round(time_step(compiled, state, device, repeats), 1),
-                         "fused_us": min(fused.values()), "fused_us_by_config": fused}
-        result[which]["speedup_over_compiled"] = round(result[which]["compiled_us"] / result[which]["fused_us"], 2)
-    result["all"]["eager_us"] = round(time_step(iru.advance, state, device, repeats), 1)
+        result[which] = {"eager_us": round(eager_us, 1), "compiled_us": round(compiled_us, 1),
+                         "fused_us": min(fused.values()), "fused_us_by_config": fused,
+                         "speedup_over_compiled": round(compiled_us / min(fused.values()), 2)}
     return result
 
 
@@ -213,6 +225,7 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--keep", type=float, default=0.6, help="the share of rows the gathered step advances")
+    parser.add_argument("--bf16", action="store_true", help="the GEMM in bf16, against the step under bf16 autocast")
     parser.add_argument("--check", action="store_true", help="compare the numbers only, at small shapes (on a CPU: "
                         "with TRITON_INTERPRET=1)")
     cli = parser.parse_args()
@@ -221,5 +234,5 @@ if __name__ == "__main__":
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     shapes = [(name, members, 100 if cli.check else rows, d) for name, members, rows, d in SHAPES]
     for name, members, rows, d in shapes:
-        result = measure(name, members, rows, d, device, cli.repeats, cli.check, cli.keep)
+        result = measure(name, members, rows, d, device, cli.repeats, cli.check, cli.keep, cli.bf16)
         print(json.dumps({**result, "device": card, "torch": torch.__version__}), flush=True)
