@@ -2,20 +2,21 @@
 
     python bench/fused_iru.py                          # on a GPU: microseconds per step at each script's shapes
     python bench/fused_iru.py --bf16                   # the GEMM in bf16, against the step under bf16 autocast
-    TRITON_INTERPRET=1 python bench/fused_iru.py --check --device cpu      # the kernel's numbers, on a CPU
+    TRITON_INTERPRET=1 python bench/fused_iru.py --check --device cpu   # the kernel's numbers, on a CPU
 
 (Triton 3.9's interpreter computes bf16 dots wrongly, so --bf16 is checked on a GPU only.)
 
 The IRU step (docs/reference.md) is a LayerNorm, one GEMM and a few elementwise ops:
 
-    z = LayerNorm(concat[x_emb, h]),   f, i = sigmoid, tanh of (z W + b) halves,   c = f c + (1 - f) i,   h = h + tanh(c)
+    z = LayerNorm(concat[x_emb, h]),  f, i = sigmoid, tanh of (z W + b) halves,  c = f c + (1 - f) i,  h = h + tanh(c)
 
 Compiled, it is three kernels a step (the LayerNorm with the concatenation, the GEMM, the gates), each a pass over
 every row in memory. Without gradient (acting, evaluation, adaptive inference, target networks) nothing between
 them needs to be kept, so the kernel here does the whole step per block of rows: the row's LayerNorm statistics,
 then the GEMM with the normalisation applied as the operand is loaded, then the gates and the new c and h in the
-GEMM's epilogue. It reads x_emb, c and h once and writes c and h once. Members (GC-DQN's critics, GC-IQL's critic
-ensemble) are a grid axis, as the scripts' batched matmuls have them. The residual variant only (h carried).
+GEMM's epilogue. It writes nothing but the new c and h (each column block re-reads its rows' x_emb and h, mostly
+from L2). Members (GC-DQN's critics, GC-IQL's critic ensemble) are a grid axis, as the scripts' batched matmuls have
+them. The residual variant only (h carried).
 
 Adaptive inference gathers the rows still going after each depth (network.gather) before the next step: a copy of
 x_emb, c and h. With a row index the kernel reads those rows where they are and writes the step's state compacted,
