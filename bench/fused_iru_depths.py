@@ -1,6 +1,6 @@
 """All K steps of an IRU, forward and backward, as Triton kernels, against the compiled PyTorch steps (GC-PPO's update).
 
-    python bench/fused_iru_depths.py                   # on a GPU: microseconds of forward + backward per minibatch
+    python bench/fused_iru_depths.py       # on a GPU: us of forward + backward a minibatch, and of a rollout's forward
     TRITON_INTERPRET=1 python bench/fused_iru_depths.py --check --device cpu    # values and gradients, on a CPU
 
 GC-PPO's minibatch update (10,240 rows, hidden width 64) is about 140 kernels of 4 us each (docs/benchmarks.md, "What
@@ -278,10 +278,38 @@ def measure(rows, d, depth, device, repeats, check_only):
     return result
 
 
+@torch.no_grad()
+def measure_forward(rows, d, depth, device, repeats):
+    """The forward alone without gradient, as a rollout step acts (GC-PPO: 2,048 envs)."""
+    x_emb = torch.randn(rows, d, device=device, generator=torch.Generator(device).manual_seed(1))
+    params = [t.detach() for t in parameters(d, device)]
+    compiled = torch.compile(reference_steps)
+
+    def timed(steps):
+        for _ in range(3):
+            steps(x_emb, *params, depth)
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            steps(x_emb, *params, depth)
+        sync(device)
+        return round((time.perf_counter() - start) / repeats * 1e6, 1)
+
+    result = {"what": "forward without gradient", "rows": rows, "hidden": d, "depth": depth,
+              "compiled_us": timed(compiled), "fused_us_by_block": {}}
+    for block_m, num_warps in BLOCKS:
+        IRUSteps.BLOCK_M, IRUSteps.NUM_WARPS = block_m, num_warps
+        result["fused_us_by_block"][f"{block_m} rows, {num_warps} warps"] = timed(IRUSteps.apply)
+    result["fused_us"] = min(result["fused_us_by_block"].values())
+    result["speedup_over_compiled"] = round(result["compiled_us"] / result["fused_us"], 2)
+    return result
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rows", type=int, default=10240, help="GC-PPO's minibatch: 2,048 envs x 160 steps / 32")
+    parser.add_argument("--rollout-rows", type=int, default=2048, help="rows of the forward-only timing: GC-PPO's envs")
     parser.add_argument("--hidden-dim", type=int, default=64)
     parser.add_argument("--depth", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=200)
@@ -290,6 +318,9 @@ if __name__ == "__main__":
     cli = parser.parse_args()
     device = torch.device(cli.device)
     torch.backends.cuda.matmul.allow_tf32 = True  # as the scripts run: the kernels' tl.dot is TF32 too
-    result = measure(100 if cli.check else cli.rows, cli.hidden_dim, cli.depth, device, cli.repeats, cli.check)
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(json.dumps({**result, "device": card, "torch": torch.__version__}), flush=True)
+    results = [measure(100 if cli.check else cli.rows, cli.hidden_dim, cli.depth, device, cli.repeats, cli.check)]
+    if not cli.check:
+        results.append(measure_forward(cli.rollout_rows, cli.hidden_dim, cli.depth, device, cli.repeats))
+    for result in results:
+        print(json.dumps({**result, "device": card, "torch": torch.__version__}), flush=True)
