@@ -4,8 +4,9 @@
     TRITON_INTERPRET=1 python bench/fused_iru_depths.py --check --device cpu    # values and gradients, on a CPU
 
 GC-PPO's minibatch update (10,240 rows, hidden width 64) is about 140 kernels of 4 us each (docs/benchmarks.md, "What
-bounds each script"); the K recurrent steps, forward and backward, are about 40 of them. At width 64 the gate
-weights (128 x 128) are small enough for one program to apply them to its block of rows at every depth, so here:
+bounds each script"), and each of the K recurrent steps is several of them forward and more backward. At width 64
+the gate weights (128 x 128) are small enough for one program to apply them to its block of rows at every depth,
+so here:
 
 - forward: one kernel. Each program takes BLOCK_M rows of x_emb and runs the K steps (the LayerNorm, the GEMM, the
   gates) with c and h in registers, writing h and c of every depth (the readouts, and what the backward needs).
