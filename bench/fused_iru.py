@@ -10,8 +10,8 @@ The IRU step (docs/reference.md) is a LayerNorm, one GEMM and a few elementwise 
 
     z = LayerNorm(concat[x_emb, h]),  f, i = sigmoid, tanh of (z W + b) halves,  c = f c + (1 - f) i,  h = h + tanh(c)
 
-Compiled, it is three kernels a step (the LayerNorm with the concatenation, the GEMM, the gates), each a pass over
-every row in memory. Without gradient (acting, evaluation, adaptive inference, target networks) nothing between
+Compiled with inductor's defaults, the GEMM is a cuBLAS call and the LayerNorm and the gates are kernels of their
+own before and after it, each a pass over every row in memory. Without gradient (acting, evaluation, adaptive inference, target networks) nothing between
 them needs to be kept, so the kernel here does the whole step per block of rows: the row's LayerNorm statistics,
 then the GEMM with the normalisation applied as the operand is loaded, then the gates and the new c and h in the
 GEMM's epilogue. It writes nothing but the new c and h (each column block re-reads its rows' x_emb and h, mostly
