@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexloop_gciql as gciql  # noqa: E402
 import flexloop_run  # noqa: E402
 from envs import ogbench_data  # noqa: E402
-from profiling import INDUCTOR_HELP, profile_kernels, set_inductor_options, sync  # noqa: E402
+from profiling import (INDUCTOR_HELP, matmul_flops, matmul_rates, profile_kernels, set_inductor_options,  # noqa: E402
+                       sync)
 
 
 def synthetic_dataset(env_name, states, trajectory_length, device):
@@ -48,6 +49,16 @@ def synthetic_dataset(env_name, states, trajectory_length, device):
     return ogbench_data.GCDataset(observations, actions, valids, device=device, actor_p_curgoal=p_cur,
                                   actor_p_trajgoal=p_traj, actor_p_randomgoal=p_random,
                                   actor_geom_sample=spec.actor_geom_sample)
+
+
+def loss_and_backward(args, agent, target_critic, dataset, lambda_depth):
+    """An update's losses and backward pass, uncompiled and without the optimizer's step (which has no matmul), on a
+    batch of its own: what matmul_flops counts. The gradients are zeroed after."""
+    batch = dataset.sample(args.batch_size, torch.Generator(dataset.device).manual_seed(1))
+    with torch.autocast(dataset.device.type, torch.bfloat16, enabled=args.bf16):
+        loss, _ = gciql.flexloop_losses(agent, target_critic, batch, args, lambda_depth)
+    loss.backward()
+    agent.zero_grad(set_to_none=False)
 
 
 def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False, prefetch=True, compile_mode=None):
@@ -72,6 +83,8 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
     prefetch = streams and prefetch  # as train() runs it: the next batch sampled on a stream of its own
     update = gciql.make_update(args, agent, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
                                losses=losses, prefetch=prefetch)
+    flops = matmul_flops(lambda: loss_and_backward(args, agent, target_critic, dataset, lambda_depth)) if profile \
+        else None
     if mode == "compile-update-graph":
         update = torch.compile(update, mode=compile_mode)
     if mode.endswith("graph"):
@@ -92,10 +105,13 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
               "updates_per_second": round(num_updates / elapsed, 1),
               "minutes_per_1M_updates": round(1e6 * elapsed / num_updates / 60, 1),
               "critic_loss": round(means[1], 5), "depth_kl": round(means[3], 5)}
-    if profile and device.type == "cuda":
+    if flops is not None:
+        result["gflop_per_update"] = round(flops / 1e9, 2)
+    if profile and device.type == "cuda" and mode != "eager":
         result["profile"] = profile_kernels(update, device)  # per update
         device_seconds = result["profile"]["device_us_per_call"] / 1e6
         result["gpu_busy_share"] = round(device_seconds * result["updates_per_second"], 3)  # device over wall time
+        result.update(matmul_rates(flops, result["profile"], result["updates_per_second"]))
     return result
 
 
@@ -137,7 +153,8 @@ if __name__ == "__main__":
     parser.add_argument("--eval-envs", type=int, default=50)
     parser.add_argument("--eval-async", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--bf16", action="store_true", help="the updates' network passes under bf16 autocast")
-    parser.add_argument("--profile", action="store_true", help="also report the 8 largest GPU kernels per measurement")
+    parser.add_argument("--profile", action="store_true", help="also count an update's matmul GFLOP (any device), "
+                        "and on a GPU profile its kernels by kind, the 8 largest, and the TFLOP/s they make")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="streams modes: sample the next batch on a stream of its own, as train() does")
     parser.add_argument("--compile-mode", default=None, help="torch.compile's mode in the compile modes, e.g. "

@@ -91,6 +91,24 @@ def profile_kernels(fn, device, calls=20, top=8):
             "kernels_per_call_by_kind": {k: round(v, 1) for k, v in count_by_kind.items()}, "largest": largest}
 
 
+def matmul_flops(fn):
+    """The floating-point operations of one eager call of fn(), as PyTorch's FlopCounterMode counts them: the
+    matrix products (and convolutions), forward and backward, the work a GPU's tensor cores do. It runs fn once."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def matmul_rates(flops, profile, calls_per_second):
+    """What the counted FLOPs of a call make of its profile: TFLOP/s over the matmul kernels' time and over the wall
+    clock. Far below the card's peak (an H200: about 790 TFLOP/s in bf16 on large products) over the matmuls' own
+    time, the products are too small to fill it; far below over the wall clock, the rest of the step bounds it."""
+    matmul_seconds = profile["us_per_call_by_kind"]["matmul"] / 1e6
+    return {"tflops_in_matmuls": round(flops / matmul_seconds / 1e12, 1) if matmul_seconds else None,
+            "tflops_over_wall": round(flops * calls_per_second / 1e12, 1)}
+
+
 def profile_ops(update, device, updates=20, top=8):
     """The `top` operators by the GPU time of the kernels they launch themselves, with their input shapes: where
     a kernel of `largest_costs` comes from (an ATen kernel between inductor's Triton kernels is a fallback op)."""

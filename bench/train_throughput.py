@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
-from profiling import (INDUCTOR_HELP, grads_written_by_backward, profile_kernels, profile_ops,  # noqa: E402
-                       set_inductor_options, sync)
+from profiling import (INDUCTOR_HELP, grads_written_by_backward, matmul_flops, matmul_rates,  # noqa: E402
+                       profile_kernels, profile_ops, set_inductor_options, sync)
 import flexloop_gcdqn as gcdqn  # noqa: E402
 import flexloop_run  # noqa: E402
 
@@ -82,6 +82,7 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes, all_act
     loss_sums = torch.zeros(len(gcdqn.LOSS_NAMES), device=device)
     update = gcdqn.make_update(args, network, target_network, optimizer, replay, generator, lambda_depth, loss_sums,
                                all_action_gradients=all_action_gradients)
+    flops = matmul_flops(update) if profile else None  # one eager update, counted
     if mode in ("compile", "compile-graph", "autotune-graph"):
         update = torch.compile(update, mode="max-autotune-no-cudagraphs" if mode == "autotune-graph" else None)
     if mode in ("graph", "compile-graph", "autotune-graph"):
@@ -98,10 +99,13 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes, all_act
     result = {"what": "updates", "mode": mode, "lambda_depth": lam, "all_action_gradients": all_action_gradients,
               "updates_per_second": round(num_updates / elapsed, 1),
               "td_loss_mean": round(loss_sums[0].item() / max(1, num_updates), 5)}
-    if profile and device.type == "cuda":
+    if flops is not None:
+        result["gflop_per_update"] = round(flops / 1e9, 2)
+    if profile and device.type == "cuda" and mode != "eager":
         result["profile"] = profile_kernels(update, device)  # per update
         device_seconds = result["profile"]["device_us_per_call"] / 1e6
         result["gpu_busy_share"] = round(device_seconds * result["updates_per_second"], 3)  # device over wall time
+        result.update(matmul_rates(flops, result["profile"], result["updates_per_second"]))
         if mode == "compile":  # not captured, so the profiler still sees which op launched each kernel
             result["largest_ops"] = profile_ops(update, device)
     return result
@@ -122,7 +126,8 @@ if __name__ == "__main__":
                         help="the updates' network passes under bf16 autocast (the script's default; before --bf16 "
                              "existed the default was TF32, and commands from then measured TF32)")
     parser.add_argument("--profile", action="store_true",
-                        help="also report the 8 largest GPU kernels per measurement (compile mode: the ops behind them)")
+                        help="also count an update's matmul GFLOP (any device), and on a GPU profile its kernels by "
+                             "kind, the 8 largest, and the TFLOP/s they make (compile mode: the ops behind them)")
     parser.add_argument("--skip-collection", action="store_true")
     parser.add_argument("--paths", nargs="*", default=["taken", "all-actions", "flexloop"],
                         help="taken (lambda 0, taken action), all-actions (lambda 0, the path before), flexloop "
@@ -155,7 +160,7 @@ if __name__ == "__main__":
         for mode in modes:
             try:
                 result = measure_updates(args, device, mode, lam, cli.updates, cli.fill_episodes,
-                                         all_action_gradients, cli.profile and mode != "eager")
+                                         all_action_gradients, cli.profile)
                 eager_rate = eager_rate or result["updates_per_second"]
                 result["ratio_vs_eager"] = round(result["updates_per_second"] / eager_rate, 2)
             except Exception as error:  # report and go on to the next mode

@@ -4,7 +4,8 @@ bench/seed_table.py: the mean and sample std over seeds of eval_adaptive.py resu
 each seed's mean depth at matched success; its figure of the same means.
 bench/plot_flexloop_length.py: the seed means of depth and success at each FlexLoop length, and a clear refusal.
 bench/runs_per_gpu.py: copies started together, their rates summed line by line against one alone; clear refusals.
-bench/iql_seeds.py: an update of N stacked GC-IQL seeds is N separate updates."""
+bench/iql_seeds.py: an update of N stacked GC-IQL seeds is N separate updates.
+bench/profiling.py: the matmul FLOPs of a call, forward and backward, and the rates they make of a profile."""
 
 import importlib.util
 import json
@@ -302,3 +303,18 @@ def test_iql_seeds_stacked_update_is_the_separate_updates(monkeypatch):
     result = iql_seeds.check_against_separate(args, [1, 2, 3], torch.device("cpu"), updates=3)
     assert result["max_weight_change"] > 1e-4  # the updates moved the weights...
     assert result["max_difference"] < 1e-5  # ...as three separate runs' updates on the same batches do
+
+
+def test_profiling_counts_matmul_flops_forward_and_backward_and_rates_them(monkeypatch):
+    import torch
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    profiling = load_bench("profiling")
+    a = torch.randn(64, 32, requires_grad=True)
+    b = torch.randn(32, 16)
+
+    def product_and_backward():
+        (a @ b).sum().backward()  # forward 2*64*32*16; backward d a = grad @ b.T, the same again
+
+    assert profiling.matmul_flops(product_and_backward) == 2 * (2 * 64 * 32 * 16)
+    rates = profiling.matmul_rates(2e12, {"us_per_call_by_kind": {"matmul": 4000.0}}, calls_per_second=50)
+    assert rates == {"tflops_in_matmuls": 500.0, "tflops_over_wall": 100.0}
