@@ -33,6 +33,7 @@ import eval_adaptive  # noqa: E402
 import flexloop_run  # noqa: E402
 from profiling import profile_kernels, sync  # noqa: E402
 
+
 def profile_steps(step, steps, device):
     """Device time per call of step() by kernel kind, kernels per call, and the five largest kernels (in ms)."""
     profiled = profile_kernels(step, device, calls=steps, top=5)
