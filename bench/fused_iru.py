@@ -11,12 +11,12 @@ The IRU step (docs/reference.md) is a LayerNorm, one GEMM and a few elementwise 
     z = LayerNorm(concat[x_emb, h]),  f, i = sigmoid, tanh of (z W + b) halves,  c = f c + (1 - f) i,  h = h + tanh(c)
 
 Compiled with inductor's defaults, the GEMM is a cuBLAS call and the LayerNorm and the gates are kernels of their
-own before and after it, each a pass over every row in memory. Without gradient (acting, evaluation, adaptive inference, target networks) nothing between
-them needs to be kept, so the kernel here does the whole step per block of rows: the row's LayerNorm statistics,
-then the GEMM with the normalisation applied as the operand is loaded, then the gates and the new c and h in the
-GEMM's epilogue. It writes nothing but the new c and h (each column block re-reads its rows' x_emb and h, mostly
-from L2). Members (GC-DQN's critics, GC-IQL's critic ensemble) are a grid axis, as the scripts' batched matmuls have
-them. The residual variant only (h carried).
+own before and after it, each a pass over every row in memory. Without gradient (acting, evaluation, adaptive
+inference, target networks) nothing between them needs to be kept, so the kernel here does the whole step per block
+of rows: the row's LayerNorm statistics, then the GEMM with the normalisation applied as the operand is loaded,
+then the gates and the new c and h in the GEMM's epilogue. It writes nothing but the new c and h (each column block
+re-reads its rows' x_emb and h, mostly from L2). Members (GC-DQN's critics, GC-IQL's critic ensemble) are a grid
+axis, as the scripts' batched matmuls have them. The residual variant only (h carried).
 
 Adaptive inference gathers the rows still going after each depth (network.gather) before the next step: a copy of
 x_emb, c and h. With a row index the kernel reads those rows where they are and writes the step's state compacted,
@@ -34,8 +34,12 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    raise SystemExit("error: bench/fused_iru.py needs Triton, which PyTorch's CUDA wheels bring on Linux; "
+                     "for the CPU check (TRITON_INTERPRET=1), pip install triton")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexloop_gciql as gciql  # noqa: E402

@@ -29,8 +29,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    raise SystemExit("error: bench/fused_iru_depths.py needs Triton, which PyTorch's CUDA wheels bring on Linux; "
+                     "for the CPU check (TRITON_INTERPRET=1), pip install triton")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from profiling import sync  # noqa: E402
