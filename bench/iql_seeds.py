@@ -22,7 +22,6 @@ import copy
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ import flexloop_gciql as gciql  # noqa: E402
 import flexloop_run  # noqa: E402
 from envs import ogbench_data  # noqa: E402
 from iql_throughput import synthetic_dataset  # noqa: E402
-from profiling import profile_kernels, sync  # noqa: E402
+from profiling import seconds_for, update_profile  # noqa: E402
 
 
 class SeedLosses(nn.Module):
@@ -158,21 +157,14 @@ def measure(args, seeds, device, mode, num_updates, profile):
     else:
         for _ in range(3):
             update()
-    sync(device)
     loss_sums.zero_()
-    start = time.perf_counter()
-    for _ in range(num_updates):
-        update()
-    sync(device)
-    elapsed = time.perf_counter() - start
+    elapsed = seconds_for(update, num_updates, device)
     result = {"what": "stacked updates", "mode": mode, "seeds": len(seeds),
               "updates_per_second": round(num_updates / elapsed, 1),
               "seed_updates_per_second": round(len(seeds) * num_updates / elapsed, 1),
               "critic_loss_per_seed": [round(x, 5) for x in (loss_sums[:, 1] / num_updates).tolist()]}
     if profile and device.type == "cuda":
-        result["profile"] = profile_kernels(update, device)  # per update
-        device_seconds = result["profile"]["device_us_per_call"] / 1e6
-        result["gpu_busy_share"] = round(device_seconds * result["updates_per_second"], 3)  # device over wall time
+        result.update(update_profile(update, device, result["updates_per_second"]))
     return result
 
 

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexloop_gciql as gciql  # noqa: E402
 import flexloop_run  # noqa: E402
 from envs import ogbench_data  # noqa: E402
-from profiling import (INDUCTOR_HELP, matmul_flops, matmul_rates, profile_kernels, set_inductor_options,  # noqa: E402
-                       sync)
+from profiling import (INDUCTOR_HELP, matmul_flops, seconds_for, set_inductor_options,  # noqa: E402
+                       update_profile)
 
 
 def synthetic_dataset(env_name, states, trajectory_length, device):
@@ -92,13 +92,8 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
     else:
         for _ in range(3):
             update()  # warm-up
-    sync(device)
     loss_sums.zero_()
-    start = time.perf_counter()
-    for _ in range(num_updates):
-        update()
-    sync(device)
-    elapsed = time.perf_counter() - start
+    elapsed = seconds_for(update, num_updates, device)
     means = (loss_sums / num_updates).tolist()
     result = {"what": "updates", "mode": mode, "prefetch": prefetch, "compile_mode": compile_mode,
               "lambda_depth": lam,
@@ -108,10 +103,7 @@ def measure_updates(args, dataset, device, mode, lam, num_updates, profile=False
     if flops is not None:
         result["gflop_per_update"] = round(flops / 1e9, 2)
     if profile and device.type == "cuda" and mode != "eager":
-        result["profile"] = profile_kernels(update, device)  # per update
-        device_seconds = result["profile"]["device_us_per_call"] / 1e6
-        result["gpu_busy_share"] = round(device_seconds * result["updates_per_second"], 3)  # device over wall time
-        result.update(matmul_rates(flops, result["profile"], result["updates_per_second"]))
+        result.update(update_profile(update, device, result["updates_per_second"], flops))
     return result
 
 

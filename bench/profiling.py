@@ -3,6 +3,7 @@ uncaptured, the ops that launch them), and torch.compile's inductor options to t
 
 import ast
 import re
+import time
 
 import torch
 
@@ -89,6 +90,27 @@ def profile_kernels(fn, device, calls=20, top=8):
     return {"device_us_per_call": round(total, 1), "us_per_call_by_kind": us_by_kind,
             "kernels_per_call": round(sum(count_by_kind.values()), 1),
             "kernels_per_call_by_kind": {k: round(v, 1) for k, v in count_by_kind.items()}, "largest": largest}
+
+
+def seconds_for(fn, calls, device):
+    """The wall seconds of `calls` calls of fn(), with the device synchronised before and after."""
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def update_profile(update, device, updates_per_second, flops=None):
+    """An update's profile_kernels, how busy it keeps the GPU (its device time over its wall time), and with its
+    counted `flops` the TFLOP/s it makes (matmul_rates)."""
+    profile = profile_kernels(update, device)
+    result = {"profile": profile,
+              "gpu_busy_share": round(profile["device_us_per_call"] / 1e6 * updates_per_second, 3)}
+    if flops is not None:
+        result.update(matmul_rates(flops, profile, updates_per_second))
+    return result
 
 
 def matmul_flops(fn):

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import envs  # noqa: E402
-from profiling import (INDUCTOR_HELP, grads_written_by_backward, matmul_flops, matmul_rates,  # noqa: E402
-                       profile_kernels, profile_ops, set_inductor_options, sync)
+from profiling import (INDUCTOR_HELP, grads_written_by_backward, matmul_flops, profile_ops,  # noqa: E402
+                       seconds_for, set_inductor_options, sync, update_profile)
 import flexloop_gcdqn as gcdqn  # noqa: E402
 import flexloop_run  # noqa: E402
 
@@ -90,22 +90,14 @@ def measure_updates(args, device, mode, lam, num_updates, fill_episodes, all_act
     else:
         for _ in range(3):
             update()  # warm-up
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(num_updates):
-        update()
-    sync(device)
-    elapsed = time.perf_counter() - start
+    elapsed = seconds_for(update, num_updates, device)
     result = {"what": "updates", "mode": mode, "lambda_depth": lam, "all_action_gradients": all_action_gradients,
               "updates_per_second": round(num_updates / elapsed, 1),
               "td_loss_mean": round(loss_sums[0].item() / max(1, num_updates), 5)}
     if flops is not None:
         result["gflop_per_update"] = round(flops / 1e9, 2)
     if profile and device.type == "cuda" and mode != "eager":
-        result["profile"] = profile_kernels(update, device)  # per update
-        device_seconds = result["profile"]["device_us_per_call"] / 1e6
-        result["gpu_busy_share"] = round(device_seconds * result["updates_per_second"], 3)  # device over wall time
-        result.update(matmul_rates(flops, result["profile"], result["updates_per_second"]))
+        result.update(update_profile(update, device, result["updates_per_second"], flops))
         if mode == "compile":  # not captured, so the profiler still sees which op launched each kernel
             result["largest_ops"] = profile_ops(update, device)
     return result
