@@ -23,7 +23,9 @@ x_emb, c and h. With a row index the kernel reads those rows where they are and 
 so the compaction costs no pass of its own; the bench times that too (--keep: the share of rows kept).
 
 Prints one JSON line per shape: the compiled step's and the fused kernel's microseconds (each block size tried, the
-fastest), on every row and on the gathered rows, and the largest difference of the state between them. The bench
+fastest), on every row and on the gathered rows, and the largest difference of the state between them. Each is
+timed twice: over the wall clock, launches included (`*_us`), and as the kernels' own device time from the profiler
+(`*_device_us`), which is what a step costs inside the CUDA graphs the scripts replay. The bench
 measures; the scripts do not use the kernel.
 """
 
@@ -43,7 +45,7 @@ except ImportError:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexloop_gciql as gciql  # noqa: E402
-from profiling import sync  # noqa: E402
+from profiling import profile_kernels, sync  # noqa: E402
 
 # (script, members, rows per member, hidden width): where the step runs without gradient in each script.
 SHAPES = (
@@ -219,9 +221,16 @@ def measure(name, members, rows, d, device, repeats, check_only, keep, bf16):
             eager_us = time_step(reference, state, device, repeats)
         fused = {str(config): round(time_step(lambda s: fused_steps[which](s, config), state, device, repeats), 1)
                  for config in configs}
+        best = next(config for config in configs if fused[str(config)] == min(fused.values()))
+        # The kernels' own time, without launches: what the step costs inside a CUDA graph, as the scripts run it.
+        with autocast():
+            compiled_device_us = profile_kernels(lambda: compiled(state), device)["device_us_per_call"]
+        fused_device_us = profile_kernels(lambda: fused_steps[which](state, best), device)["device_us_per_call"]
         result[which] = {"eager_us": round(eager_us, 1), "compiled_us": round(compiled_us, 1),
                          "fused_us": min(fused.values()), "fused_us_by_config": fused,
-                         "speedup_over_compiled": round(compiled_us / min(fused.values()), 2)}
+                         "speedup_over_compiled": round(compiled_us / min(fused.values()), 2),
+                         "compiled_device_us": compiled_device_us, "fused_device_us": fused_device_us,
+                         "device_speedup": round(compiled_device_us / fused_device_us, 2)}
     return result
 
 

@@ -17,7 +17,9 @@ so here:
 
 IRUSteps is the torch.autograd.Function: IRUSteps.apply(x_emb, gate_norm weight, gate_norm bias, gates weight
 (input x output), gates bias, K) -> h of depths 1..K, (K, rows, D). The residual variant (h carried). The bench
-times forward + backward of the compiled PyTorch steps against it, and --check compares values and gradients.
+times forward + backward of the compiled PyTorch steps against it, over the wall clock and as the kernels' own
+device time (`*_device_us`: what each costs inside a CUDA graph), and --check compares values and gradients. A
+block size whose backward needs more shared memory than the card has is reported (`blocks_too_large`) and skipped.
 The bench measures; the scripts do not use the kernels.
 """
 
@@ -32,12 +34,13 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 except ImportError:
     raise SystemExit("error: bench/fused_iru_depths.py needs Triton, which PyTorch's CUDA wheels bring on Linux; "
                      "for the CPU check (TRITON_INTERPRET=1), pip install triton")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from profiling import sync  # noqa: E402
+from profiling import profile_kernels, sync  # noqa: E402
 
 
 @triton.jit
@@ -244,6 +247,18 @@ def forward_backward(steps, x_emb, params, depth, upstream):
     return h.detach(), [t.grad for t in (x_emb, *params)]
 
 
+def device_times(call, compiled, fused_us_by_block, device):
+    """The kernels' own device time of call(compiled steps) and of call(IRUSteps.apply) at the fastest block size:
+    what each costs inside a CUDA graph, as the scripts replay the update, without launches."""
+    fastest = min(fused_us_by_block, key=fused_us_by_block.get)
+    block_m, num_warps = (int(word) for word in fastest.split()[::2])  # "64 rows, 4 warps"
+    IRUSteps.BLOCK_M, IRUSteps.NUM_WARPS = block_m, num_warps
+    compiled_us = profile_kernels(lambda: call(compiled), device)["device_us_per_call"]
+    fused_us = profile_kernels(lambda: call(IRUSteps.apply), device)["device_us_per_call"]
+    return {"compiled_device_us": compiled_us, "fused_device_us": fused_us,
+            "device_speedup": round(compiled_us / fused_us, 2)}
+
+
 def measure(rows, d, depth, device, repeats, check_only):
     generator = torch.Generator(device).manual_seed(1)
     x_emb = torch.randn(rows, d, device=device, generator=generator).requires_grad_()
@@ -253,9 +268,15 @@ def measure(rows, d, depth, device, repeats, check_only):
     names = ("x_emb", "gate_norm.weight", "gate_norm.bias", "gates.weight", "gates.bias")
     result = {"rows": rows, "hidden": d, "depth": depth, "h_max_difference": 0.0,
               "grad_max_relative_difference": dict.fromkeys(names, 0.0)}
+    blocks = []  # the block sizes that fit the card's shared memory
     for block_m, num_warps in BLOCKS:  # every block size the timing tries computes the same numbers
         IRUSteps.BLOCK_M, IRUSteps.NUM_WARPS = block_m, num_warps
-        h_fused, grads_fused = forward_backward(IRUSteps.apply, x_emb, params, depth, upstream)
+        try:
+            h_fused, grads_fused = forward_backward(IRUSteps.apply, x_emb, params, depth, upstream)
+        except OutOfResources as error:
+            result.setdefault("blocks_too_large", {})[f"{block_m} rows, {num_warps} warps"] = str(error)
+            continue
+        blocks.append((block_m, num_warps))
         result["h_max_difference"] = max(result["h_max_difference"], (h_ref - h_fused).abs().max().item())
         for name, r, f in zip(names, grads_ref, grads_fused):
             relative = ((r - f).abs().max() / r.abs().max()).item()
@@ -275,11 +296,13 @@ def measure(rows, d, depth, device, repeats, check_only):
         return round((time.perf_counter() - start) / repeats * 1e6, 1)
 
     result.update(eager_us=timed(reference_steps), compiled_us=timed(compiled), fused_us_by_block={})
-    for block_m, num_warps in BLOCKS:  # (BLOCK_M, num_warps): the backward holds many row tiles at once
+    for block_m, num_warps in blocks:  # (BLOCK_M, num_warps): the backward holds many row tiles at once
         IRUSteps.BLOCK_M, IRUSteps.NUM_WARPS = block_m, num_warps
         result["fused_us_by_block"][f"{block_m} rows, {num_warps} warps"] = timed(IRUSteps.apply)
     result["fused_us"] = min(result["fused_us_by_block"].values())
     result["speedup_over_compiled"] = round(result["compiled_us"] / result["fused_us"], 2)
+    result.update(device_times(lambda steps: forward_backward(steps, x_emb, params, depth, upstream), compiled,
+                               result["fused_us_by_block"], device))
     return result
 
 
@@ -302,11 +325,13 @@ def measure_forward(rows, d, depth, device, repeats):
 
     result = {"what": "forward without gradient", "rows": rows, "hidden": d, "depth": depth,
               "compiled_us": timed(compiled), "fused_us_by_block": {}}
-    for block_m, num_warps in BLOCKS:
+    for block_m, num_warps in BLOCKS:  # the forward alone holds fewer tiles: every block size fits
         IRUSteps.BLOCK_M, IRUSteps.NUM_WARPS = block_m, num_warps
         result["fused_us_by_block"][f"{block_m} rows, {num_warps} warps"] = timed(IRUSteps.apply)
     result["fused_us"] = min(result["fused_us_by_block"].values())
     result["speedup_over_compiled"] = round(result["compiled_us"] / result["fused_us"], 2)
+    result.update(device_times(lambda steps: steps(x_emb, *params, depth), compiled, result["fused_us_by_block"],
+                               device))
     return result
 
 

@@ -52,7 +52,9 @@ def grads_written_by_backward(optimizer):
 KERNEL_KINDS = (
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|splitK|^triton_tem|aten::(bmm|mm|addmm|matmul|linear)\b",
                           re.I)),
-    ("gather and copy", re.compile(r"index|gather|scatter|CatArray|aten::cat\b|copy|scan|cumsum|nonzero|sort", re.I)),
+    # "_to_copy" in an inductor kernel's name is a dtype cast fused into its elementwise work, not a copy
+    ("gather and copy", re.compile(r"index|gather|scatter|CatArray|aten::cat\b|(?<!_to_)copy|scan|cumsum|nonzero|sort",
+                                   re.I)),
 )
 OTHER_KIND = "elementwise and reductions"
 

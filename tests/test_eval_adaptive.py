@@ -512,6 +512,9 @@ def test_stress_profile_sorts_gpu_kernels_by_kind():
     assert kernel_kind("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>(...)") \
         == "elementwise and reductions"
     assert kernel_kind("triton_poi_fused_add_mul_sigmoid_tanh_0") == "elementwise and reductions"
+    assert kernel_kind("triton_per_fused__to_copy_mul_native_layer_norm_native_layer_norm_backward_6") \
+        == "elementwise and reductions"
+    assert kernel_kind("triton_poi_fused_index_mul_3") == "gather and copy"
     assert kernel_kind("aten::bmm") == "matmul" and kernel_kind("aten::index") == "gather and copy"
 
 
