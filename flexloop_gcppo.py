@@ -194,6 +194,9 @@ class PerformanceArgs:
     """with --compile, let inductor fuse independent kernels side by side (its combo_kernels option): 8% more env
     steps/s in bench/ppo_throughput.py on an H200 (docs/benchmarks.md); not the default until runs with it are
     shown to learn as the runs without it"""
+    fused_iru: bool = False
+    """run the K IRU steps as two Triton kernels, one forward and one backward (flexloop_kernels.py), in place of
+    several PyTorch kernels a step; GPU only (H100, H200), the residual IRU at a hidden width of 16-64"""
 
 
 @dataclass
@@ -231,6 +234,14 @@ def check_args(args: Args):
     for name in POSITIVE_FLAGS:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.fused_iru and (args.backbone != "iru" or args.iru_variant != "residual"):
+        raise ValueError("--fused-iru runs the residual IRU's steps only; drop it with --backbone lstm or "
+                         "--iru-variant paper")
+    if args.fused_iru and args.hidden_dim not in (16, 32, 64):
+        raise ValueError(f"--fused-iru holds the gate weights in one program, at a hidden width of 16, 32 or 64; "
+                         f"got --hidden-dim {args.hidden_dim}: drop --fused-iru")
+    if args.fused_iru and not (args.cuda and torch.cuda.is_available()):
+        raise ValueError("--fused-iru runs Triton kernels on a GPU; on a CPU drop it")
     low, high = SPLITS["train"]
     if not low <= args.train_max_presses <= high:
         raise ValueError(f"--train-max-presses must lie in [{low}, {high}], got {args.train_max_presses}")
@@ -266,6 +277,8 @@ class IRUNetwork(nn.Module):
         x      = clip((concat[obs, goal] - running mean) / running std)     (40 inputs)
         x_emb  = LayerNorm(Linear(x))
         logits_k = Actor(h),  V_k = Value(h)   after step k (paper variant: read c)
+    With fused_steps set (--fused-iru: flexloop_kernels.iru_steps), all_depths and full_depth run the residual
+    steps as two Triton kernels, one forward and one backward, and their states hold h alone.
     The state is a tuple of tensors shaped (batch, d). The running mean and variance of the inputs are buffers,
     so checkpoints and evaluation carry them. The policy pi_k = softmax(logits_k):
         logits = decide(state)            pi_k's logits (20)
@@ -350,9 +363,14 @@ class IRUNetwork(nn.Module):
     def value(self, state):
         return self.critic(self.readout(state)).squeeze(-1)
 
+    fused_steps = None  # with --fused-iru, flexloop_kernels.iru_steps: h of every depth from x_emb, (K, B, hidden)
+
     def all_depths(self, obs, goal):
         """The heads at every depth: logits (K, B, A) and values (K, B). They read the K states stacked, so each
         head is one matmul over all depths (forward and backward) instead of K small ones."""
+        if self.fused_steps is not None:  # the states with h alone, which the heads read
+            stacked = None, None, self.fused_steps(self.start(obs, goal)[0], self.gate_norm, self.gates, self.depth)
+            return self.decide(stacked), self.value(stacked)
         state = self.start(obs, goal)
         states = []
         for _ in range(self.depth):
@@ -370,7 +388,10 @@ class IRUNetwork(nn.Module):
 
     def full_depth(self, obs, goal):
         """The heads at depth K alone, without the shallower ones."""
-        state = self.state_after(obs, goal, self.depth)
+        if self.fused_steps is not None:  # h alone, which the heads read
+            state = None, None, self.fused_steps(self.start(obs, goal)[0], self.gate_norm, self.gates, self.depth)[-1]
+        else:
+            state = self.state_after(obs, goal, self.depth)
         return self.decide(state), self.value(state)  # logits (B, A), values (B,)
 
     def policy_logits(self, obs, goal, depth):
@@ -427,6 +448,9 @@ def build_network(args: Args, device):
     network_args = dict(depth=args.depth, hidden_dim=args.hidden_dim, obs_clip=args.obs_clip)
     network = LSTMNetwork(**network_args) if args.backbone == "lstm" else \
         IRUNetwork(variant=args.iru_variant, **network_args)
+    if args.fused_iru and torch.device(device).type == "cuda":  # the K steps as Triton kernels, the teacher's too
+        import flexloop_kernels
+        network.fused_steps = flexloop_kernels.iru_steps
     return (init_like_flax(network) if args.init == "flax" else network).to(device)
 
 

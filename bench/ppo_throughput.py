@@ -134,6 +134,8 @@ if __name__ == "__main__":
     parser.add_argument("--profile-compile-mode", default=None, help="torch.compile mode of the profiled update, "
                         "e.g. max-autotune-no-cudagraphs (Triton GEMMs with fused epilogues); train() uses the default")
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE", help=INDUCTOR_HELP)
+    parser.add_argument("--fused-iru", action="store_true", help="the script's --fused-iru: the K IRU steps as "
+                        "flexloop_kernels.py's Triton kernels")
     cli = parser.parse_args()
     inductor_options = set_inductor_options(cli.inductor)
 
@@ -149,7 +151,7 @@ if __name__ == "__main__":
                               num_minibatches=cli.num_minibatches, update_epochs=cli.update_epochs,
                               pretrain_timesteps=rollouts * batch, total_timesteps=rollouts * batch,
                               eval_every=10**9, save_every=10**9, log_every=1, compile=cli.compile,
-                              cuda_graph=cli.cuda_graph, run_dir=run_dir)
+                              cuda_graph=cli.cuda_graph, fused_iru=cli.fused_iru, run_dir=run_dir)
         rates = steady_rates(args_for(cli.iterations))
         parts = time_rollout_and_eval(args_for(1), device, graphed=cli.cuda_graph and on_gpu, profile=cli.profile,
                                       profile_top=cli.profile_top, compile_mode=cli.profile_compile_mode,
@@ -157,7 +159,7 @@ if __name__ == "__main__":
     seconds_per_iteration = {phase: round(batch / sps, 3) for phase, sps in rates.items()}
     print(json.dumps({
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
-        "inductor": inductor_options,
+        "inductor": inductor_options, "fused_iru": cli.fused_iru,
         "num_envs": cli.num_envs, "num_steps": cli.num_steps, "num_minibatches": cli.num_minibatches,
         "update_epochs": cli.update_epochs, "compile": cli.compile and on_gpu, "cuda_graph": cli.cuda_graph and on_gpu,
         "iterations_per_phase": cli.iterations, "env_steps_per_second": rates,

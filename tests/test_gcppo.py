@@ -773,6 +773,62 @@ def test_bad_flags(tmp_path, overrides, message):
         gcppo.check_args(tiny_args(tmp_path, **overrides))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (dict(backbone="lstm"), "residual IRU's steps only; drop it with --backbone lstm"),
+    (dict(iru_variant="paper"), "residual IRU's steps only"),
+    (dict(hidden_dim=128), "hidden width of 16, 32 or 64; got --hidden-dim 128: drop --fused-iru"),
+    (dict(), "runs Triton kernels on a GPU; on a CPU drop it"),
+])
+def test_fused_iru_refuses_what_its_kernels_do_not_run(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        gcppo.check_args(tiny_args(tmp_path, fused_iru=True, **overrides))
+
+
+FUSED_CHECK = """
+import sys, torch
+import flexloop_gcppo as gcppo, flexloop_kernels
+device = torch.device(sys.argv[1])
+torch.manual_seed(0)
+plain = gcppo.IRUNetwork(depth=4, hidden_dim=16).to(device)
+with torch.no_grad():  # LayerNorm's affine away from 1 and 0, so a kernel that dropped it would show
+    plain.gate_norm.weight.uniform_(0.5, 1.5)
+    plain.gate_norm.bias.uniform_(-0.2, 0.2)
+fused = gcppo.frozen_copy(plain).requires_grad_(True).train()
+calls = []
+fused.fused_steps = lambda *args: calls.append(1) or flexloop_kernels.iru_steps(*args)
+# On a GPU tl.dot multiplies in TF32, as the scripts' matmuls do with TF32 on; on a CPU both are float32.
+torch.backends.cuda.matmul.allow_tf32 = True
+atol, rtol = (1e-5, 1e-4) if device.type == "cpu" else (3e-3, 1e-2)
+obs = torch.randint(0, 2, (40, 20), device=device).float()
+goal = torch.randint(0, 2, (40, 20), device=device).float()
+for name in ("all_depths", "full_depth"):
+    outputs = [getattr(network, name)(obs, goal) for network in (plain, fused)]
+    for network, (logits, values) in zip((plain, fused), outputs):
+        network.zero_grad()
+        (logits.square().sum() + values.sum()).backward()
+    for a, b in zip(*outputs):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=atol), (name, (a - b).abs().max())
+    for (key, p), q in zip(plain.named_parameters(), fused.parameters()):
+        assert p.grad.abs().max() > 0, (name, key)  # every parameter is on the path from the inputs
+        assert torch.allclose(p.grad, q.grad, rtol=rtol, atol=atol), (name, key, (p.grad - q.grad).abs().max())
+assert len(calls) == 2, calls  # both methods took the kernels' path
+print("ok")
+"""
+
+
+def test_fused_iru_steps_give_the_network_s_outputs_and_gradients():
+    """--fused-iru's Triton kernels (flexloop_kernels.py) against the IRU's own steps: the logits and values of
+    every depth and of depth K alone, and every parameter's gradient. On a CPU under Triton's interpreter."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if device == "cpu":
+        environment["TRITON_INTERPRET"] = "1"
+    result = subprocess.run([sys.executable, "-c", FUSED_CHECK, device], cwd=ROOT, env=environment,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
 def test_bad_checkpoints(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         flexloop_run.load_checkpoint(tmp_path / "missing.pt")
