@@ -13,9 +13,9 @@ program to apply them to its block of rows at every depth, so:
   over programs gives the gradients.
 
 They replace PyTorch's several kernels a step forward and more backward (GC-PPO's minibatch update was about 140
-kernels of 4 us each on an H200, docs/benchmarks.md). They hold the weights in shared memory: at width 64 and 64
-rows a program, 215,040 bytes forward and 180,224 backward (compiled for sm_90 by Triton 3.9), which Hopper GPUs
-(H100, H200) have.
+kernels of 4 us each on an H200, docs/benchmarks.md). They hold the weights in shared memory: at width 64 and 16
+rows a program, the backward needs more than 180 KB (184,320 bytes compiled for sm_90 by Triton 3.9), which Hopper
+GPUs (H100, H200) have; at 32 rows it needs 237,568, more than an H200's 232,448.
 
     h = iru_steps(x_emb, gate_norm, gates, K)    # h of depths 1..K, (K, rows, D), differentiable
 """
@@ -163,7 +163,9 @@ def iru_backward_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, h_ptr, c_ptr, d
 class IRUSteps(torch.autograd.Function):
     """h of depths 1..K from x_emb, the K residual IRU steps in one forward and one backward kernel."""
 
-    BLOCK_M, NUM_WARPS, EPS = 64, 4, 1e-5  # the bench sets the block size and warps
+    # 16 rows a program, 4 warps: the one block size whose backward fits an H200's shared memory with PyTorch
+    # 2.11's Triton (bench/fused_iru_depths.py tries others)
+    BLOCK_M, NUM_WARPS, EPS = 16, 4, 1e-5
 
     @staticmethod
     def forward(ctx, x_emb, ln_w, ln_b, w, b, depth):

@@ -821,7 +821,7 @@ def test_fused_iru_steps_give_the_network_s_outputs_and_gradients():
     every depth and of depth K alone, and every parameter's gradient. On a CPU under Triton's interpreter."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     if device == "cpu":
         environment["TRITON_INTERPRET"] = "1"
     result = subprocess.run([sys.executable, "-c", FUSED_CHECK, device], cwd=ROOT, env=environment,
