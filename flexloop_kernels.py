@@ -13,9 +13,10 @@ program to apply them to its block of rows at every depth, so:
   over programs gives the gradients.
 
 They replace PyTorch's several kernels a step forward and more backward (GC-PPO's minibatch update was about 140
-kernels of 4 us each on an H200, docs/benchmarks.md). They hold the weights in shared memory: at width 64 and 16
-rows a program, the backward needs more than 180 KB (184,320 bytes compiled for sm_90 by Triton 3.9), which Hopper
-GPUs (H100, H200) have; at 32 rows it needs 237,568, more than an H200's 232,448.
+kernels of 4 us each on an H200, docs/benchmarks.md). They stage the weights in shared memory: at width 64, 16 rows a
+program and Triton's default 3 pipeline stages the backward needs 184,320 bytes (compiled for sm_90 by Triton 3.9),
+which Hopper GPUs (H100, H200) have; at 32 rows it needs 237,568, more than an H200's 232,448. Fewer stages need
+less: the forward at 1 stage 24,576-53,248 bytes against 137,216-219,136 at 3.
 
     h = iru_steps(x_emb, gate_norm, gates, K)    # h of depths 1..K, (K, rows, D), differentiable
 """
@@ -163,9 +164,10 @@ def iru_backward_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, h_ptr, c_ptr, d
 class IRUSteps(torch.autograd.Function):
     """h of depths 1..K from x_emb, the K residual IRU steps in one forward and one backward kernel."""
 
-    # 16 rows a program, 4 warps: the one block size whose backward fits an H200's shared memory with PyTorch
-    # 2.11's Triton (bench/fused_iru_depths.py tries others)
-    BLOCK_M, NUM_WARPS, EPS = 16, 4, 1e-5
+    # (rows a program, warps, pipeline stages) of each kernel. On an H200 with PyTorch 2.11's Triton (2026-12-04), at
+    # Triton's default 3 stages: the forward was fastest at 32 rows, and the backward fitted the shared memory at
+    # 16 rows only. bench/fused_iru_depths.py times every choice.
+    FORWARD, BACKWARD, EPS = (32, 4, 3), (16, 4, 3), 1e-5
 
     @staticmethod
     def forward(ctx, x_emb, ln_w, ln_b, w, b, depth):
@@ -173,9 +175,10 @@ class IRUSteps(torch.autograd.Function):
         rows, d = x_emb.shape
         h = x_emb.new_empty(depth, rows, d)
         c = x_emb.new_empty(depth, rows, d)
-        grid = (triton.cdiv(rows, IRUSteps.BLOCK_M),)
-        iru_forward_kernel[grid](x_emb, ln_w, ln_b, w, b, h, c, rows, K=depth, D=d, BLOCK_M=IRUSteps.BLOCK_M,
-                                 EPS=IRUSteps.EPS, num_warps=IRUSteps.NUM_WARPS)
+        block_m, num_warps, num_stages = IRUSteps.FORWARD
+        iru_forward_kernel[(triton.cdiv(rows, block_m),)](x_emb, ln_w, ln_b, w, b, h, c, rows, K=depth, D=d,
+                                                          BLOCK_M=block_m, EPS=IRUSteps.EPS, num_warps=num_warps,
+                                                          num_stages=num_stages)
         ctx.save_for_backward(x_emb, ln_w, ln_b, w, b, h, c)
         ctx.depth = depth
         return h
@@ -184,12 +187,13 @@ class IRUSteps(torch.autograd.Function):
     def backward(ctx, dh):
         x_emb, ln_w, ln_b, w, b, h, c = ctx.saved_tensors
         rows, d = x_emb.shape
-        programs = triton.cdiv(rows, IRUSteps.BLOCK_M)
+        block_m, num_warps, num_stages = IRUSteps.BACKWARD
+        programs = triton.cdiv(rows, block_m)
         dx = torch.empty_like(x_emb)
         partial = x_emb.new_empty(programs, 4 * d * d + 6 * d)
         iru_backward_kernel[(programs,)](x_emb, ln_w, ln_b, w, b, h, c, dh.contiguous(), dx, partial, rows,
-                                         K=ctx.depth, D=d, BLOCK_M=IRUSteps.BLOCK_M, EPS=IRUSteps.EPS,
-                                         num_warps=IRUSteps.NUM_WARPS)
+                                         K=ctx.depth, D=d, BLOCK_M=block_m, EPS=IRUSteps.EPS, num_warps=num_warps,
+                                         num_stages=num_stages)
         total = partial.sum(0)
         db, dln_w, dln_b = total[4 * d * d:].view(3, 2 * d)
         return dx, dln_w, dln_b, total[:4 * d * d].view(2 * d, 2 * d), db, None

@@ -7,9 +7,10 @@ steps.
 GC-PPO's minibatch update (10,240 rows, hidden width 64) is about 140 kernels of 4 us each (docs/benchmarks.md, "What
 bounds each script"), and each of the K recurrent steps is several of them forward and more backward;
 flexloop_kernels.py's docstring says how its two kernels replace them. The bench times forward + backward of the
-compiled PyTorch steps against IRUSteps at each block size, over the wall clock and as the kernels' own device time
-(`*_device_us`: what each costs inside a CUDA graph), and --check compares values and gradients. A block size whose
-backward needs more shared memory than the card has is reported (`blocks_too_large`) and skipped.
+compiled PyTorch steps against IRUSteps, and the forward alone, at each choice of rows a program, warps and pipeline
+stages of the kernel (CONFIGS), as the kernels' own device time (`*_device_us`: what each costs inside a CUDA graph,
+as the scripts replay it); at the fastest choice, over the wall clock too. A choice that needs more shared memory
+than the card has is reported (`too_large`) and skipped. --check compares values and gradients at every choice.
 """
 
 import argparse
@@ -26,7 +27,8 @@ from flexloop_kernels import IRUSteps, OutOfResources  # noqa: E402  (exits nami
 from profiling import profile_kernels, sync  # noqa: E402
 
 
-BLOCKS = ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8))
+# (rows a program, warps, pipeline stages): the choices tried for each kernel
+CONFIGS = tuple((rows, warps, stages) for rows in (16, 32, 64) for warps in (4, 8) for stages in (1, 2, 3))
 
 
 def reference_steps(x_emb, ln_w, ln_b, w, b, depth):
@@ -67,92 +69,98 @@ def forward_backward(steps, x_emb, params, depth, upstream):
     return h.detach(), [t.grad for t in (x_emb, *params)]
 
 
-def device_times(call, compiled, fused_us_by_block, device):
-    """The kernels' own device time of call(compiled steps) and of call(IRUSteps.apply) at the fastest block size:
-    what each costs inside a CUDA graph, as the scripts replay the update, without launches."""
-    fastest = min(fused_us_by_block, key=fused_us_by_block.get)
-    block_m, num_warps = (int(word) for word in fastest.split()[::2])  # "64 rows, 4 warps"
-    IRUSteps.BLOCK_M, IRUSteps.NUM_WARPS = block_m, num_warps
-    compiled_us = profile_kernels(lambda: call(compiled), device)["device_us_per_call"]
-    fused_us = profile_kernels(lambda: call(IRUSteps.apply), device)["device_us_per_call"]
-    return {"compiled_device_us": compiled_us, "fused_device_us": fused_us,
-            "device_speedup": round(compiled_us / fused_us, 2)}
+def config_name(config):
+    return "{} rows, {} warps, {} stages".format(*config)
+
+
+def device_us(call, device):
+    """The kernels' own device time of call(): what it costs inside a CUDA graph, as the scripts replay it."""
+    return profile_kernels(call, device)["device_us_per_call"]
+
+
+def wall_us(call, device, repeats):
+    """Wall-clock µs of call() launched from Python, the device synchronised after `repeats` calls."""
+    for _ in range(3):
+        call()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    sync(device)
+    return round((time.perf_counter() - start) / repeats * 1e6, 1)
+
+
+def try_configs(kernel, run, result, configs):
+    """run() with IRUSteps.<kernel> set to each config in turn; the configs whose kernel fits the card's shared memory
+    (the others go to result["too_large"]), and each one's run() output. IRUSteps keeps its own config after."""
+    default, fitting = getattr(IRUSteps, kernel), {}
+    for config in configs:
+        setattr(IRUSteps, kernel, config)
+        try:
+            fitting[config] = run()
+        except OutOfResources as error:
+            result.setdefault("too_large", {})[f"{kernel.lower()} {config_name(config)}"] = str(error)
+    setattr(IRUSteps, kernel, default)
+    return fitting
+
+
+def timings(kernel, fused, compiled, device, repeats, result):
+    """result with the device time of fused() at each config of IRUSteps.<kernel> and of compiled(), and at the
+    fastest config the wall clock of both."""
+    compiled()  # compiles, outside the timings
+    times = try_configs(kernel, lambda: device_us(fused, device), result, CONFIGS)
+    best = min(times, key=times.get)
+    default = getattr(IRUSteps, kernel)
+    setattr(IRUSteps, kernel, best)
+    result.update(compiled_device_us=device_us(compiled, device), fused_device_us=times[best],
+                  fused_device_us_by_config={config_name(c): t for c, t in times.items()}, best=config_name(best),
+                  compiled_us=wall_us(compiled, device, repeats), fused_us=wall_us(fused, device, repeats))
+    setattr(IRUSteps, kernel, default)
+    result["device_speedup"] = round(result["compiled_device_us"] / result["fused_device_us"], 2)
+    return result
+
+
+@torch.no_grad()
+def measure_forward(rows, d, depth, device, repeats, check_only):
+    """The forward alone without gradient, as a rollout step acts (GC-PPO: 2,048 envs), at each forward config."""
+    x_emb = torch.randn(rows, d, device=device, generator=torch.Generator(device).manual_seed(1))
+    params = [t.detach() for t in parameters(d, device)]
+    expected = reference_steps(x_emb, *params, depth)
+    result = {"what": "forward without gradient", "rows": rows, "hidden": d, "depth": depth}
+    fused = lambda: IRUSteps.apply(x_emb, *params, depth)  # noqa: E731
+    check = lambda: (expected - fused()).abs().max().item()  # noqa: E731
+    result["h_max_difference"] = max(try_configs("FORWARD", check, result, CONFIGS).values())
+    if check_only:
+        return result
+    compiled = torch.compile(reference_steps)
+    return timings("FORWARD", fused, lambda: compiled(x_emb, *params, depth), device, repeats, result)
 
 
 def measure(rows, d, depth, device, repeats, check_only):
+    """Forward and backward of one minibatch (GC-PPO: 10,240 rows), at each backward config, the forward at its
+    default."""
     generator = torch.Generator(device).manual_seed(1)
     x_emb = torch.randn(rows, d, device=device, generator=generator).requires_grad_()
     params = parameters(d, device)
     upstream = torch.randn(depth, rows, d, device=device, generator=generator)
     h_ref, grads_ref = forward_backward(reference_steps, x_emb, params, depth, upstream)
     names = ("x_emb", "gate_norm.weight", "gate_norm.bias", "gates.weight", "gates.bias")
-    result = {"rows": rows, "hidden": d, "depth": depth, "h_max_difference": 0.0,
-              "grad_max_relative_difference": dict.fromkeys(names, 0.0)}
-    blocks = []  # the block sizes that fit the card's shared memory
-    for block_m, num_warps in BLOCKS:  # every block size the timing tries computes the same numbers
-        IRUSteps.BLOCK_M, IRUSteps.NUM_WARPS = block_m, num_warps
-        try:
-            h_fused, grads_fused = forward_backward(IRUSteps.apply, x_emb, params, depth, upstream)
-        except OutOfResources as error:
-            result.setdefault("blocks_too_large", {})[f"{block_m} rows, {num_warps} warps"] = str(error)
-            continue
-        blocks.append((block_m, num_warps))
-        result["h_max_difference"] = max(result["h_max_difference"], (h_ref - h_fused).abs().max().item())
-        for name, r, f in zip(names, grads_ref, grads_fused):
-            relative = ((r - f).abs().max() / r.abs().max()).item()
-            result["grad_max_relative_difference"][name] = max(result["grad_max_relative_difference"][name], relative)
+    result = {"what": "forward and backward", "rows": rows, "hidden": d, "depth": depth,
+              "forward": config_name(IRUSteps.FORWARD)}
+    fused = lambda: forward_backward(IRUSteps.apply, x_emb, params, depth, upstream)  # noqa: E731
+
+    def check():
+        h_fused, grads_fused = fused()
+        return [(h_ref - h_fused).abs().max().item()] + [((r - f).abs().max() / r.abs().max()).item()
+                                                          for r, f in zip(grads_ref, grads_fused)]
+    differences = list(try_configs("BACKWARD", check, result, CONFIGS).values())
+    result["h_max_difference"] = max(difference[0] for difference in differences)
+    result["grad_max_relative_difference"] = {name: max(difference[i + 1] for difference in differences)
+                                              for i, name in enumerate(names)}
     if check_only:
         return result
     compiled = torch.compile(reference_steps)
-
-    def timed(steps):
-        for _ in range(3):
-            forward_backward(steps, x_emb, params, depth, upstream)
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            forward_backward(steps, x_emb, params, depth, upstream)
-        sync(device)
-        return round((time.perf_counter() - start) / repeats * 1e6, 1)
-
-    result.update(eager_us=timed(reference_steps), compiled_us=timed(compiled), fused_us_by_block={})
-    for block_m, num_warps in blocks:  # (BLOCK_M, num_warps): the backward holds many row tiles at once
-        IRUSteps.BLOCK_M, IRUSteps.NUM_WARPS = block_m, num_warps
-        result["fused_us_by_block"][f"{block_m} rows, {num_warps} warps"] = timed(IRUSteps.apply)
-    result["fused_us"] = min(result["fused_us_by_block"].values())
-    result["speedup_over_compiled"] = round(result["compiled_us"] / result["fused_us"], 2)
-    result.update(device_times(lambda steps: forward_backward(steps, x_emb, params, depth, upstream), compiled,
-                               result["fused_us_by_block"], device))
-    return result
-
-
-@torch.no_grad()
-def measure_forward(rows, d, depth, device, repeats):
-    """The forward alone without gradient, as a rollout step acts (GC-PPO: 2,048 envs)."""
-    x_emb = torch.randn(rows, d, device=device, generator=torch.Generator(device).manual_seed(1))
-    params = [t.detach() for t in parameters(d, device)]
-    compiled = torch.compile(reference_steps)
-
-    def timed(steps):
-        for _ in range(3):
-            steps(x_emb, *params, depth)
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            steps(x_emb, *params, depth)
-        sync(device)
-        return round((time.perf_counter() - start) / repeats * 1e6, 1)
-
-    result = {"what": "forward without gradient", "rows": rows, "hidden": d, "depth": depth,
-              "compiled_us": timed(compiled), "fused_us_by_block": {}}
-    for block_m, num_warps in BLOCKS:  # the forward alone holds fewer tiles: every block size fits
-        IRUSteps.BLOCK_M, IRUSteps.NUM_WARPS = block_m, num_warps
-        result["fused_us_by_block"][f"{block_m} rows, {num_warps} warps"] = timed(IRUSteps.apply)
-    result["fused_us"] = min(result["fused_us_by_block"].values())
-    result["speedup_over_compiled"] = round(result["compiled_us"] / result["fused_us"], 2)
-    result.update(device_times(lambda steps: steps(x_emb, *params, depth), compiled, result["fused_us_by_block"],
-                               device))
-    return result
+    return timings("BACKWARD", fused, lambda: forward_backward(compiled, x_emb, params, depth, upstream), device, repeats, result)
 
 
 if __name__ == "__main__":
@@ -169,8 +177,8 @@ if __name__ == "__main__":
     device = torch.device(cli.device)
     torch.backends.cuda.matmul.allow_tf32 = True  # as the scripts run: the kernels' tl.dot is TF32 too
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    results = [measure(100 if cli.check else cli.rows, cli.hidden_dim, cli.depth, device, cli.repeats, cli.check)]
-    if not cli.check:
-        results.append(measure_forward(cli.rollout_rows, cli.hidden_dim, cli.depth, device, cli.repeats))
+    rows = (100, 100) if cli.check else (cli.rows, cli.rollout_rows)
+    results = [measure(rows[0], cli.hidden_dim, cli.depth, device, cli.repeats, cli.check),
+               measure_forward(rows[1], cli.hidden_dim, cli.depth, device, cli.repeats, cli.check)]
     for result in results:
         print(json.dumps({**result, "device": card, "torch": torch.__version__}), flush=True)
