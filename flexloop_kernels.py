@@ -10,13 +10,16 @@ program to apply them to its block of rows at every depth, so:
 - backward: one kernel and one sum. Each program walks its rows' depths from K down to 1, recomputing each step's
   LayerNorm and gates from the saved h and c, and carries the gradients of h and c down. Its share of the weight
   gradients (gate weights and bias, LayerNorm scale and shift) stays in registers and is written once; one sum
-  over programs gives the gradients.
+  over programs gives the gradients. Or, to free the registers that the gate weights' gradient (2D x 2D) holds,
+  the kernel writes each depth's z and the gradient of z W + b, and one matmul after it gives that gradient.
 
 They replace PyTorch's several kernels a step forward and more backward (GC-PPO's minibatch update was about 140
 kernels of 4 us each on an H200, docs/benchmarks.md). They stage the weights in shared memory: at width 64, 16 rows a
 program and Triton's default 3 pipeline stages the backward needs 184,320 bytes (compiled for sm_90 by Triton 3.9),
 which Hopper GPUs (H100, H200) have; at 32 rows it needs 237,568, more than an H200's 232,448. Fewer stages need
-less: the forward at 1 stage 24,576-53,248 bytes against 137,216-219,136 at 3.
+less: the forward at 1 stage 24,576-53,248 bytes against 137,216-219,136 at 3, and the backward that leaves the
+gate weights' gradient to a matmul 24,576-49,152 at 1 stage (16-64 rows) against 151,552-212,992 with it in the
+kernel. The bench decides which is faster.
 
     h = iru_steps(x_emb, gate_norm, gates, K)    # h of depths 1..K, (K, rows, D), differentiable
 """
@@ -79,10 +82,13 @@ def iru_forward_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, h_out_ptr, c_out
 
 
 @triton.jit
-def iru_backward_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, h_ptr, c_ptr, dh_ptr, dx_ptr, partial_ptr, rows,
-                        K: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr):
+def iru_backward_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, h_ptr, c_ptr, dh_ptr, dx_ptr, partial_ptr, z_ptr,
+                        dpre_ptr, rows, K: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, EPS: tl.constexpr,
+                        WEIGHT_GRAD_IN_KERNEL: tl.constexpr):
     """Per program, its rows' gradient of x_emb and its share of the parameter gradients, laid out in its row of
-    partial_ptr as [d gate weight (2D x 2D), d gate bias (2D), d LayerNorm scale (2D), d LayerNorm shift (2D)]."""
+    partial_ptr as [d gate weight (2D x 2D), d gate bias (2D), d LayerNorm scale (2D), d LayerNorm shift (2D)].
+    Without WEIGHT_GRAD_IN_KERNEL the row has no gate weight part: each depth's z and the gradient of z W + b are
+    written to z_ptr and dpre_ptr, (K, rows, 2D) each, for one GEMM after the kernel."""
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < rows
@@ -91,11 +97,11 @@ def iru_backward_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, h_ptr, c_ptr, d
     x = tl.load(x_ptr + tile, mask=row_ok[:, None], other=0.0)
     w_x = w_ptr + cols[:, None] * (2 * D) + cols[None, :]
     w_h = w_x + D * (2 * D)
-    # The weight gradient's four D x D blocks: (x or h rows) x (forget or candidate columns).
-    dw_xf = tl.zeros((D, D), tl.float32)
-    dw_xi = tl.zeros((D, D), tl.float32)
-    dw_hf = tl.zeros((D, D), tl.float32)
-    dw_hi = tl.zeros((D, D), tl.float32)
+    if WEIGHT_GRAD_IN_KERNEL:  # the weight gradient's four D x D blocks: (x or h rows) x (forget or candidate)
+        dw_xf = tl.zeros((D, D), tl.float32)
+        dw_xi = tl.zeros((D, D), tl.float32)
+        dw_hf = tl.zeros((D, D), tl.float32)
+        dw_hi = tl.zeros((D, D), tl.float32)
     db_f = tl.zeros((D,), tl.float32)
     db_i = tl.zeros((D,), tl.float32)
     dlnw_x = tl.zeros((D,), tl.float32)
@@ -124,10 +130,17 @@ def iru_backward_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, h_ptr, c_ptr, d
         dh_carry = dh
 
         # The GEMM: z W + b.
-        dw_xf += tl.dot(tl.trans(z_x), d_forget)
-        dw_xi += tl.dot(tl.trans(z_x), d_candidate)
-        dw_hf += tl.dot(tl.trans(z_h), d_forget)
-        dw_hi += tl.dot(tl.trans(z_h), d_candidate)
+        if WEIGHT_GRAD_IN_KERNEL:
+            dw_xf += tl.dot(tl.trans(z_x), d_forget)
+            dw_xi += tl.dot(tl.trans(z_x), d_candidate)
+            dw_hf += tl.dot(tl.trans(z_h), d_forget)
+            dw_hi += tl.dot(tl.trans(z_h), d_candidate)
+        else:
+            wide = k * rows * (2 * D) + offs_m[:, None] * (2 * D) + cols[None, :]  # (K, rows, 2D) layout
+            tl.store(z_ptr + wide, z_x, mask=row_ok[:, None])
+            tl.store(z_ptr + wide + D, z_h, mask=row_ok[:, None])
+            tl.store(dpre_ptr + wide, d_forget, mask=row_ok[:, None])
+            tl.store(dpre_ptr + wide + D, d_candidate, mask=row_ok[:, None])
         db_f += tl.sum(d_forget, 0)
         db_i += tl.sum(d_candidate, 0)
         dz_x = tl.dot(d_forget, tl.trans(tl.load(w_x))) + tl.dot(d_candidate, tl.trans(tl.load(w_x + D)))
@@ -146,13 +159,16 @@ def iru_backward_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, h_ptr, c_ptr, d
         dh_carry += rstd[:, None] * (dxh_h - mean_d[:, None] - h_hat * mean_dx[:, None])
     tl.store(dx_ptr + tile, dx, mask=row_ok[:, None])
 
-    out = partial_ptr + pid * (4 * D * D + 6 * D)
-    w_tile = cols[:, None] * (2 * D) + cols[None, :]
-    tl.store(out + w_tile, dw_xf)
-    tl.store(out + w_tile + D, dw_xi)
-    tl.store(out + D * (2 * D) + w_tile, dw_hf)
-    tl.store(out + D * (2 * D) + w_tile + D, dw_hi)
-    vectors = out + 4 * D * D
+    if WEIGHT_GRAD_IN_KERNEL:
+        out = partial_ptr + pid * (4 * D * D + 6 * D)
+        w_tile = cols[:, None] * (2 * D) + cols[None, :]
+        tl.store(out + w_tile, dw_xf)
+        tl.store(out + w_tile + D, dw_xi)
+        tl.store(out + D * (2 * D) + w_tile, dw_hf)
+        tl.store(out + D * (2 * D) + w_tile + D, dw_hi)
+        vectors = out + 4 * D * D
+    else:
+        vectors = partial_ptr + pid * (6 * D)
     tl.store(vectors + cols, db_f)
     tl.store(vectors + D + cols, db_i)
     tl.store(vectors + 2 * D + cols, dlnw_x)
@@ -164,10 +180,12 @@ def iru_backward_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, h_ptr, c_ptr, d
 class IRUSteps(torch.autograd.Function):
     """h of depths 1..K from x_emb, the K residual IRU steps in one forward and one backward kernel."""
 
-    # (rows a program, warps, pipeline stages) of each kernel. On an H200 with PyTorch 2.11's Triton (2026-12-04), at
-    # Triton's default 3 stages: the forward was fastest at 32 rows, and the backward fitted the shared memory at
-    # 16 rows only. bench/fused_iru_depths.py times every choice.
-    FORWARD, BACKWARD, EPS = (32, 4, 3), (16, 4, 3), 1e-5
+    # (rows a program, warps, pipeline stages) of each kernel, and where the backward sums the gate weights'
+    # gradient: "in kernel" (each program's share in registers) or "gemm" (one matmul after it). On an H200 with
+    # PyTorch 2.11's Triton (2026-12-04), at Triton's default 3 stages, the forward was fastest over the wall clock
+    # at 32 rows, and the backward, in kernel, fitted the shared memory at 16 rows only.
+    # bench/fused_iru_depths.py times every choice.
+    FORWARD, BACKWARD, EPS = (32, 4, 3), (16, 4, 3, "in kernel"), 1e-5
 
     @staticmethod
     def forward(ctx, x_emb, ln_w, ln_b, w, b, depth):
@@ -187,16 +205,23 @@ class IRUSteps(torch.autograd.Function):
     def backward(ctx, dh):
         x_emb, ln_w, ln_b, w, b, h, c = ctx.saved_tensors
         rows, d = x_emb.shape
-        block_m, num_warps, num_stages = IRUSteps.BACKWARD
+        block_m, num_warps, num_stages, weight_grad = IRUSteps.BACKWARD
         programs = triton.cdiv(rows, block_m)
+        in_kernel = weight_grad == "in kernel"
         dx = torch.empty_like(x_emb)
-        partial = x_emb.new_empty(programs, 4 * d * d + 6 * d)
-        iru_backward_kernel[(programs,)](x_emb, ln_w, ln_b, w, b, h, c, dh.contiguous(), dx, partial, rows,
-                                         K=ctx.depth, D=d, BLOCK_M=block_m, EPS=IRUSteps.EPS, num_warps=num_warps,
+        partial = x_emb.new_empty(programs, (4 * d * d if in_kernel else 0) + 6 * d)
+        if in_kernel:
+            z = dpre = x_emb  # not read
+        else:  # every depth's z and gradient of z W + b, for the one matmul below
+            z, dpre = x_emb.new_empty(ctx.depth, rows, 2 * d), x_emb.new_empty(ctx.depth, rows, 2 * d)
+        iru_backward_kernel[(programs,)](x_emb, ln_w, ln_b, w, b, h, c, dh.contiguous(), dx, partial, z, dpre, rows,
+                                         K=ctx.depth, D=d, BLOCK_M=block_m, EPS=IRUSteps.EPS,
+                                         WEIGHT_GRAD_IN_KERNEL=in_kernel, num_warps=num_warps,
                                          num_stages=num_stages)
         total = partial.sum(0)
-        db, dln_w, dln_b = total[4 * d * d:].view(3, 2 * d)
-        return dx, dln_w, dln_b, total[:4 * d * d].view(2 * d, 2 * d), db, None
+        dw = total[:4 * d * d].view(2 * d, 2 * d) if in_kernel else z.flatten(0, 1).t() @ dpre.flatten(0, 1)
+        db, dln_w, dln_b = total[-6 * d:].view(3, 2 * d)
+        return dx, dln_w, dln_b, dw, db, None
 
 
 @torch.compiler.disable  # a Triton launch inside an autograd.Function: torch.compile runs it as it is

@@ -27,8 +27,11 @@ from flexloop_kernels import IRUSteps, OutOfResources  # noqa: E402  (exits nami
 from profiling import profile_kernels, sync  # noqa: E402
 
 
-# (rows a program, warps, pipeline stages): the choices tried for each kernel
-CONFIGS = tuple((rows, warps, stages) for rows in (16, 32, 64) for warps in (4, 8) for stages in (1, 2, 3))
+# (rows a program, warps, pipeline stages): the choices tried for each kernel; for the backward also where it sums the
+# gate weights' gradient (flexloop_kernels.IRUSteps)
+FORWARD_CONFIGS = tuple((rows, warps, stages) for rows in (16, 32, 64) for warps in (4, 8) for stages in (1, 2, 3))
+BACKWARD_CONFIGS = tuple((*config, weight_grad) for config in FORWARD_CONFIGS for weight_grad in ("in kernel", "gemm"))
+CONFIGS = {"FORWARD": FORWARD_CONFIGS, "BACKWARD": BACKWARD_CONFIGS}
 
 
 def reference_steps(x_emb, ln_w, ln_b, w, b, depth):
@@ -70,7 +73,7 @@ def forward_backward(steps, x_emb, params, depth, upstream):
 
 
 def config_name(config):
-    return "{} rows, {} warps, {} stages".format(*config)
+    return ", ".join(["{} rows", "{} warps", "{} stages", "weight gradient {}"][:len(config)]).format(*config)
 
 
 def device_us(call, device):
@@ -90,11 +93,12 @@ def wall_us(call, device, repeats):
     return round((time.perf_counter() - start) / repeats * 1e6, 1)
 
 
-def try_configs(kernel, run, result, configs):
-    """run() with IRUSteps.<kernel> set to each config in turn; the configs whose kernel fits the card's shared memory
-    (the others go to result["too_large"]), and each one's run() output. IRUSteps keeps its own config after."""
+def try_configs(kernel, run, result):
+    """run() with IRUSteps.<kernel> set to each of its CONFIGS in turn; the configs whose kernel fits the card's
+    shared memory (the others go to result["too_large"]), and each one's run() output. IRUSteps keeps its own config
+    after."""
     default, fitting = getattr(IRUSteps, kernel), {}
-    for config in configs:
+    for config in CONFIGS[kernel]:
         setattr(IRUSteps, kernel, config)
         try:
             fitting[config] = run()
@@ -108,7 +112,7 @@ def timings(kernel, fused, compiled, device, repeats, result):
     """result with the device time of fused() at each config of IRUSteps.<kernel> and of compiled(), and at the
     fastest config the wall clock of both."""
     compiled()  # compiles, outside the timings
-    times = try_configs(kernel, lambda: device_us(fused, device), result, CONFIGS)
+    times = try_configs(kernel, lambda: device_us(fused, device), result)
     best = min(times, key=times.get)
     default = getattr(IRUSteps, kernel)
     setattr(IRUSteps, kernel, best)
@@ -129,7 +133,7 @@ def measure_forward(rows, d, depth, device, repeats, check_only):
     result = {"what": "forward without gradient", "rows": rows, "hidden": d, "depth": depth}
     fused = lambda: IRUSteps.apply(x_emb, *params, depth)  # noqa: E731
     check = lambda: (expected - fused()).abs().max().item()  # noqa: E731
-    result["h_max_difference"] = max(try_configs("FORWARD", check, result, CONFIGS).values())
+    result["h_max_difference"] = max(try_configs("FORWARD", check, result).values())
     if check_only:
         return result
     compiled = torch.compile(reference_steps)
@@ -153,7 +157,7 @@ def measure(rows, d, depth, device, repeats, check_only):
         h_fused, grads_fused = fused()
         return [(h_ref - h_fused).abs().max().item()] + [((r - f).abs().max() / r.abs().max()).item()
                                                           for r, f in zip(grads_ref, grads_fused)]
-    differences = list(try_configs("BACKWARD", check, result, CONFIGS).values())
+    differences = list(try_configs("BACKWARD", check, result).values())
     result["h_max_difference"] = max(difference[0] for difference in differences)
     result["grad_max_relative_difference"] = {name: max(difference[i + 1] for difference in differences)
                                               for i, name in enumerate(names)}

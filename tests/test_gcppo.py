@@ -801,7 +801,8 @@ torch.backends.cuda.matmul.allow_tf32 = True
 atol, rtol = (1e-5, 1e-4) if device.type == "cpu" else (3e-3, 1e-2)
 obs = torch.randint(0, 2, (40, 20), device=device).float()
 goal = torch.randint(0, 2, (40, 20), device=device).float()
-for name in ("all_depths", "full_depth"):
+for name, weight_grad in (("all_depths", "in kernel"), ("all_depths", "gemm"), ("full_depth", "in kernel")):
+    flexloop_kernels.IRUSteps.BACKWARD = (*flexloop_kernels.IRUSteps.BACKWARD[:3], weight_grad)
     outputs = [getattr(network, name)(obs, goal) for network in (plain, fused)]
     for network, (logits, values) in zip((plain, fused), outputs):
         network.zero_grad()
@@ -811,14 +812,15 @@ for name in ("all_depths", "full_depth"):
     for (key, p), q in zip(plain.named_parameters(), fused.parameters()):
         assert p.grad.abs().max() > 0, (name, key)  # every parameter is on the path from the inputs
         assert torch.allclose(p.grad, q.grad, rtol=rtol, atol=atol), (name, key, (p.grad - q.grad).abs().max())
-assert len(calls) == 2, calls  # both methods took the kernels' path
+assert len(calls) == 3, calls  # both methods took the kernels' path
 print("ok")
 """
 
 
 def test_fused_iru_steps_give_the_network_s_outputs_and_gradients():
     """--fused-iru's Triton kernels (flexloop_kernels.py) against the IRU's own steps: the logits and values of
-    every depth and of depth K alone, and every parameter's gradient. On a CPU under Triton's interpreter."""
+    every depth and of depth K alone, and every parameter's gradient, with the gate weights' gradient summed in the
+    backward kernel and by a matmul after it. On a CPU under Triton's interpreter."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
