@@ -715,18 +715,25 @@ def test_captured_evaluation_equals_the_eager_one_and_reads_the_live_weights(exa
                 p.add_(0.2 * torch.randn_like(p))
 
 
+def one_press_gpu_run(tmp_path, **overrides):
+    """A short GPU run on one-press goals (20 pretraining and 4 FlexLoop iterations, 16 updates each), and 512
+    envs of those goals to evaluate it on."""
+    args = tiny_args(tmp_path, cuda=True, require_cuda=True, num_envs=256, num_steps=32, num_minibatches=4,
+                     update_epochs=4, learning_rate=3e-3, depth=3, hidden_dim=64, train_max_presses=1,
+                     max_episode_steps=5, pretrain_timesteps=20 * 256 * 32, total_timesteps=4 * 256 * 32,
+                     eval_every=1000, save_every=1000, log_every=1, **overrides)
+    easy = {"train": envs.make_vec(args.env_id, 512, split="train", max_presses=1, max_steps=5, device="cuda",
+                                   check_actions=False).unwrapped}
+    return args, easy
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_captured_training_counts_every_env_step_resumes_and_learns(tmp_path):
     """A GPU run with the rollout, the targets and the update replayed from CUDA graphs: both phases (the targets
     graph with and without the teacher), hard resets, a resume from the phase switch. The episodes it logs fit in
     the env steps it counts (warm-up rollouts that went uncounted would overflow them), and it learns one-press
     goals as the CPU run does."""
-    args = tiny_args(tmp_path, cuda=True, require_cuda=True, compile=False, num_envs=256, num_steps=32,
-                     num_minibatches=4, update_epochs=4, learning_rate=3e-3, depth=3, hidden_dim=64,
-                     train_max_presses=1, max_episode_steps=5, pretrain_timesteps=20 * 256 * 32,
-                     total_timesteps=4 * 256 * 32, eval_every=1000, save_every=1000, log_every=1)
-    easy = {"train": envs.make_vec(args.env_id, 512, split="train", max_presses=1, max_steps=5, device="cuda",
-                                   check_actions=False).unwrapped}
+    args, easy = one_press_gpu_run(tmp_path, compile=False)
     torch.manual_seed(args.seed)
     before = gcppo.evaluate(gcppo.build_network(args, "cuda"), easy, seed=123)["eval/train/success_depth_3"].item()
     run_dir = gcppo.train(args)
@@ -829,6 +836,23 @@ def test_fused_iru_steps_give_the_network_s_outputs_and_gradients():
     result = subprocess.run([sys.executable, "-c", FUSED_CHECK, device], cwd=ROOT, env=environment,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fused_iru_trains_compiled_and_captured_and_learns(tmp_path):
+    """--fused-iru inside the compiled update and the rollout, both replayed from CUDA graphs, in both phases:
+    finite losses, and one-press goals learnt as the run without it learns them."""
+    pytest.importorskip("triton")
+    args, easy = one_press_gpu_run(tmp_path, fused_iru=True)
+    torch.manual_seed(args.seed)
+    before = gcppo.evaluate(gcppo.build_network(args, "cuda"), easy, seed=123)["eval/train/success_depth_3"].item()
+    run_dir = gcppo.train(args)
+    records = [r for r in read_metrics(run_dir) if "losses/policy_loss" in r]
+    assert [r["phase"] for r in records] == ["pretrain"] * 20 + ["flexloop"] * 4
+    assert all(math.isfinite(r[name]) for r in records for name in gcppo.LOSS_NAMES)
+    network, _ = gcppo.network_from_checkpoint(flexloop_run.load_checkpoint(run_dir / "final.pt"), "cuda")
+    after = gcppo.evaluate(network, easy, seed=123)["eval/train/success_depth_3"].item()
+    assert after > before + 0.15, (before, after)
 
 
 def test_bad_checkpoints(tmp_path):
