@@ -32,7 +32,6 @@ measures; the scripts do not use the kernel.
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -45,7 +44,7 @@ except ImportError:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexloop_gciql as gciql  # noqa: E402
-from profiling import profile_kernels, sync  # noqa: E402
+from profiling import microseconds_per_call, profile_kernels  # noqa: E402
 
 # (script, members, rows per member, hidden width): where the step runs without gradient in each script.
 SHAPES = (
@@ -174,17 +173,6 @@ def random_state(members, rows, d, device, generator):
     return x_emb, c, h
 
 
-def time_step(step, state, device, repeats):
-    for _ in range(3):
-        step(state)
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        step(state)
-    sync(device)
-    return (time.perf_counter() - start) / repeats * 1e6
-
-
 @torch.no_grad()
 def measure(name, members, rows, d, device, repeats, check_only, keep, bf16):
     """The step on every row, then on a random `keep` of the rows, gathered: adaptive inference's step after a
@@ -217,16 +205,16 @@ def measure(name, members, rows, d, device, repeats, check_only, keep, bf16):
     for which, reference in references.items():
         compiled = torch.compile(reference)
         with autocast():
-            compiled_us = time_step(compiled, state, device, repeats)
-            eager_us = time_step(reference, state, device, repeats)
-        fused = {str(config): round(time_step(lambda s: fused_steps[which](s, config), state, device, repeats), 1)
+            compiled_us = microseconds_per_call(lambda: compiled(state), repeats, device)
+            eager_us = microseconds_per_call(lambda: reference(state), repeats, device)
+        fused = {str(config): microseconds_per_call(lambda: fused_steps[which](state, config), repeats, device)
                  for config in configs}
         best = next(config for config in configs if fused[str(config)] == min(fused.values()))
         # The kernels' own time, without launches: what the step costs inside a CUDA graph, as the scripts run it.
         with autocast():
             compiled_device_us = profile_kernels(lambda: compiled(state), device)["device_us_per_call"]
         fused_device_us = profile_kernels(lambda: fused_steps[which](state, best), device)["device_us_per_call"]
-        result[which] = {"eager_us": round(eager_us, 1), "compiled_us": round(compiled_us, 1),
+        result[which] = {"eager_us": eager_us, "compiled_us": compiled_us,
                          "fused_us": min(fused.values()), "fused_us_by_config": fused,
                          "speedup_over_compiled": round(compiled_us / min(fused.values()), 2),
                          "compiled_device_us": compiled_device_us, "fused_device_us": fused_device_us,

@@ -16,7 +16,6 @@ than the card has is reported (`too_large`) and skipped. --check compares values
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flexloop_kernels import IRUSteps, OutOfResources  # noqa: E402  (exits naming Triton when it is missing)
-from profiling import profile_kernels, sync  # noqa: E402
+from profiling import microseconds_per_call, profile_kernels  # noqa: E402
 
 
 # (rows a program, warps, pipeline stages): the choices tried for each kernel; for the backward also where it sums the
@@ -81,18 +80,6 @@ def device_us(call, device):
     return profile_kernels(call, device)["device_us_per_call"]
 
 
-def wall_us(call, device, repeats):
-    """Wall-clock µs of call() launched from Python, the device synchronised after `repeats` calls."""
-    for _ in range(3):
-        call()
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        call()
-    sync(device)
-    return round((time.perf_counter() - start) / repeats * 1e6, 1)
-
-
 def try_configs(kernel, run, result):
     """run() with IRUSteps.<kernel> set to each of its CONFIGS in turn; the configs whose kernel fits the card's
     shared memory (the others go to result["too_large"]), and each one's run() output. IRUSteps keeps its own config
@@ -118,7 +105,8 @@ def timings(kernel, fused, compiled, device, repeats, result):
     setattr(IRUSteps, kernel, best)
     result.update(compiled_device_us=device_us(compiled, device), fused_device_us=times[best],
                   fused_device_us_by_config={config_name(c): t for c, t in times.items()}, best=config_name(best),
-                  compiled_us=wall_us(compiled, device, repeats), fused_us=wall_us(fused, device, repeats))
+                  compiled_us=microseconds_per_call(compiled, repeats, device),
+                  fused_us=microseconds_per_call(fused, repeats, device))
     setattr(IRUSteps, kernel, default)
     result["device_speedup"] = round(result["compiled_device_us"] / result["fused_device_us"], 2)
     return result

@@ -104,6 +104,13 @@ def seconds_for(fn, calls, device):
     return time.perf_counter() - start
 
 
+def microseconds_per_call(fn, calls, device, warmup=3):
+    """The wall µs of one call of fn(), launches included, over `calls` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    return round(seconds_for(fn, calls, device) / calls * 1e6, 1)
+
+
 def update_profile(update, device, updates_per_second, flops=None):
     """An update's profile_kernels, how busy it keeps the GPU (its device time over its wall time), and with its
     counted `flops` the TFLOP/s it makes (matmul_rates)."""
