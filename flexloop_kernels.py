@@ -177,6 +177,19 @@ def iru_backward_kernel(x_ptr, ln_w_ptr, ln_b_ptr, w_ptr, b_ptr, h_ptr, c_ptr, d
     tl.store(vectors + 5 * D + cols, dlnb_h)
 
 
+class SharedMemoryError(RuntimeError):
+    """A kernel's block needs more shared memory than the GPU has."""
+
+
+def launch(kernel, grid, *args, **options):
+    """kernel[grid](*args, **options), with a too-large block reported as SharedMemoryError, naming the fix."""
+    try:
+        kernel[grid](*args, **options)
+    except OutOfResources as error:
+        raise SharedMemoryError(f"--fused-iru's kernels do not fit this GPU's shared memory ({error}); they need a "
+                                "Hopper GPU (H100, H200). Drop --fused-iru") from None
+
+
 class IRUSteps(torch.autograd.Function):
     """h of depths 1..K from x_emb, the K residual IRU steps in one forward and one backward kernel."""
 
@@ -194,9 +207,8 @@ class IRUSteps(torch.autograd.Function):
         h = x_emb.new_empty(depth, rows, d)
         c = x_emb.new_empty(depth, rows, d)
         block_m, num_warps, num_stages = IRUSteps.FORWARD
-        iru_forward_kernel[(triton.cdiv(rows, block_m),)](x_emb, ln_w, ln_b, w, b, h, c, rows, K=depth, D=d,
-                                                          BLOCK_M=block_m, EPS=IRUSteps.EPS, num_warps=num_warps,
-                                                          num_stages=num_stages)
+        launch(iru_forward_kernel, (triton.cdiv(rows, block_m),), x_emb, ln_w, ln_b, w, b, h, c, rows, K=depth, D=d,
+               BLOCK_M=block_m, EPS=IRUSteps.EPS, num_warps=num_warps, num_stages=num_stages)
         ctx.save_for_backward(x_emb, ln_w, ln_b, w, b, h, c)
         ctx.depth = depth
         return h
@@ -214,10 +226,9 @@ class IRUSteps(torch.autograd.Function):
             z = dpre = x_emb  # not read
         else:  # every depth's z and gradient of z W + b, for the one matmul below
             z, dpre = x_emb.new_empty(ctx.depth, rows, 2 * d), x_emb.new_empty(ctx.depth, rows, 2 * d)
-        iru_backward_kernel[(programs,)](x_emb, ln_w, ln_b, w, b, h, c, dh.contiguous(), dx, partial, z, dpre, rows,
-                                         K=ctx.depth, D=d, BLOCK_M=block_m, EPS=IRUSteps.EPS,
-                                         WEIGHT_GRAD_IN_KERNEL=in_kernel, num_warps=num_warps,
-                                         num_stages=num_stages)
+        launch(iru_backward_kernel, (programs,), x_emb, ln_w, ln_b, w, b, h, c, dh.contiguous(), dx, partial, z, dpre,
+               rows, K=ctx.depth, D=d, BLOCK_M=block_m, EPS=IRUSteps.EPS, WEIGHT_GRAD_IN_KERNEL=in_kernel,
+               num_warps=num_warps, num_stages=num_stages)
         total = partial.sum(0)
         dw = total[:4 * d * d].view(2 * d, 2 * d) if in_kernel else z.flatten(0, 1).t() @ dpre.flatten(0, 1)
         db, dln_w, dln_b = total[-6 * d:].view(3, 2 * d)
@@ -228,9 +239,4 @@ class IRUSteps(torch.autograd.Function):
 def iru_steps(x_emb, gate_norm, gates, depth):
     """h of depths 1..K from x_emb (rows, D), (K, rows, D), through the IRU's gate_norm (LayerNorm over 2D) and gates
     (Linear 2D -> 2D, forget half first). Gradients flow to x_emb and to both layers' parameters."""
-    try:
-        return IRUSteps.apply(x_emb, gate_norm.weight, gate_norm.bias, gates.weight.t().contiguous(), gates.bias,
-                              depth)
-    except OutOfResources as error:
-        raise RuntimeError(f"--fused-iru's kernels do not fit this GPU's shared memory ({error}); they need a "
-                           "Hopper GPU (H100, H200). Drop --fused-iru") from None
+    return IRUSteps.apply(x_emb, gate_norm.weight, gate_norm.bias, gates.weight.t().contiguous(), gates.bias, depth)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flexloop_kernels import IRUSteps, OutOfResources  # noqa: E402  (exits naming Triton when it is missing)
+from flexloop_kernels import IRUSteps, SharedMemoryError  # noqa: E402  (exits naming Triton when it is missing)
 from profiling import microseconds_per_call, profile_kernels  # noqa: E402
 
 
@@ -89,7 +89,7 @@ def try_configs(kernel, run, result):
         setattr(IRUSteps, kernel, config)
         try:
             fitting[config] = run()
-        except OutOfResources as error:
+        except SharedMemoryError as error:
             result.setdefault("too_large", {})[f"{kernel.lower()} {config_name(config)}"] = str(error)
     setattr(IRUSteps, kernel, default)
     return fitting
@@ -152,7 +152,8 @@ def measure(rows, d, depth, device, repeats, check_only):
     if check_only:
         return result
     compiled = torch.compile(reference_steps)
-    return timings("BACKWARD", fused, lambda: forward_backward(compiled, x_emb, params, depth, upstream), device, repeats, result)
+    compiled_call = lambda: forward_backward(compiled, x_emb, params, depth, upstream)  # noqa: E731
+    return timings("BACKWARD", fused, compiled_call, device, repeats, result)
 
 
 if __name__ == "__main__":

@@ -824,6 +824,22 @@ print("ok")
 """
 
 
+def test_a_fused_kernel_too_large_for_the_gpu_names_the_fix():
+    """Forward or backward (which autograd runs later), a block over the GPU's shared memory says to drop the flag."""
+    pytest.importorskip("triton")
+    import flexloop_kernels
+    from triton.runtime.errors import OutOfResources
+
+    class TooLarge:
+        def __getitem__(self, grid):
+            def run(*args, **options):
+                raise OutOfResources(237568, 232448, "shared memory")
+            return run
+    message = "do not fit this GPU's shared memory.*Drop --fused-iru"
+    with pytest.raises(flexloop_kernels.SharedMemoryError, match=message):
+        flexloop_kernels.launch(TooLarge(), (1,))
+
+
 def test_fused_iru_steps_give_the_network_s_outputs_and_gradients():
     """--fused-iru's Triton kernels (flexloop_kernels.py) against the IRU's own steps: the logits and values of
     every depth and of depth K alone, and every parameter's gradient, with the gate weights' gradient summed in the
