@@ -17,6 +17,7 @@ D should change `divergence` to match, and changing `divergence` changes the rul
 import copy
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -194,6 +195,10 @@ class PerformanceArgs:
     """with --compile, let inductor fuse independent kernels side by side (its combo_kernels option): 8% more env
     steps/s in bench/ppo_throughput.py on an H200 (docs/benchmarks.md); not the default until runs with it are
     shown to learn as the runs without it"""
+    compile_env_step: bool = False
+    """with --compile, compile the rollout's whole step (the policy pass, the action's sampling, the env step and
+    the buffer writes) instead of the policy pass alone: around the policy, a step is 85 separate PyTorch
+    operations uncompiled. Not the default until timed on a GPU"""
     fused_iru: bool = False
     """run the K IRU steps as two Triton kernels, one forward and one backward (flexloop_kernels.py), in place of
     several PyTorch kernels a step; GPU only (H100, H200), the residual IRU at a hidden width of 16-64"""
@@ -234,6 +239,9 @@ def check_args(args: Args):
     for name in POSITIVE_FLAGS:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("combo_kernels", "compile_env_step"):  # they choose what torch.compile does
+        if getattr(args, name) and not args.compile:
+            raise ValueError(f"--{name.replace('_', '-')} acts on torch.compile; drop it or --no-compile")
     if args.fused_iru and (args.backbone != "iru" or args.iru_variant != "residual"):
         raise ValueError("--fused-iru runs the residual IRU's steps only; drop it with --backbone lstm or "
                          "--iru-variant paper")
@@ -644,30 +652,42 @@ def make_envs(args, device):
 
 
 @torch.no_grad()
-def collect_rollout(network, env, obs, buffers, generator, episode_sums, forward=None):
-    """num_steps steps of every env with the depth-K policy, written into buffers. Continues from obs (the
-    envs auto-reset) and returns the obs after the last step. episode_sums (4,) gathers the finished episodes'
-    count, successes, returns and lengths on the device. forward is network.full_depth, or that pass compiled
-    (train() compiles it on a GPU: its dozens of small kernels become a few)."""
-    forward = forward or network.full_depth
-    for t in range(buffers["obs"].shape[0]):
-        buffers["obs"][t], buffers["goal"][t] = obs["observation"], obs["desired_goal"]
-        logits, value = forward(obs["observation"], obs["desired_goal"])
-        action = network.act(logits, generator)
-        buffers["actions"][t] = action
-        buffers["logprobs"][t] = F.log_softmax(logits, -1).gather(-1, action[:, None]).squeeze(-1)
-        buffers["values"][t] = value
-        obs, reward, terminated, truncated, info = env.step(action)
-        buffers["rewards"][t], buffers["terminated"][t], buffers["truncated"][t] = reward, terminated, truncated
-        buffers["final_obs"][t] = info["final_obs"]["observation"]
-        buffers["final_goal"][t] = info["final_obs"]["desired_goal"]
-        done = info["episode_done"].float()
-        episode_sums += torch.stack([done.sum(), (done * info["episode_success"]).sum(),
-                                     (done * info["episode_return"]).sum(), (done * info["episode_length"]).sum()])
+def rollout_step(network, env, obs, row, generator, episode_sums, forward=None):
+    """One step of every env with the depth-K policy: writes the step's inputs, action, log-probability, value,
+    reward and end flags into row (each buffer's slice for this step), adds the episodes that ended to
+    episode_sums (4,: count, successes, returns, lengths, on the device) and returns the next obs (the envs
+    auto-reset). forward is network.full_depth, or that pass compiled; train() compiles either the policy pass
+    alone or, with --compile-env-step, the whole step."""
+    row["obs"].copy_(obs["observation"])
+    row["goal"].copy_(obs["desired_goal"])
+    logits, value = (forward or network.full_depth)(obs["observation"], obs["desired_goal"])
+    action = network.act(logits, generator)
+    row["actions"].copy_(action)
+    row["logprobs"].copy_(F.log_softmax(logits, -1).gather(-1, action[:, None]).squeeze(-1))
+    row["values"].copy_(value)
+    obs, reward, terminated, truncated, info = env.step(action)
+    row["rewards"].copy_(reward)
+    row["terminated"].copy_(terminated)
+    row["truncated"].copy_(truncated)
+    row["final_obs"].copy_(info["final_obs"]["observation"])
+    row["final_goal"].copy_(info["final_obs"]["desired_goal"])
+    done = info["episode_done"].float()
+    episode_sums += torch.stack([done.sum(), (done * info["episode_success"]).sum(),
+                                 (done * info["episode_return"]).sum(), (done * info["episode_length"]).sum()])
     return obs
 
 
-def make_rollout(network, env, obs, buffers, generator, episode_sums, forward=None):
+@torch.no_grad()
+def collect_rollout(network, env, obs, buffers, generator, episode_sums, step=rollout_step):
+    """num_steps steps of every env (rollout_step, or that step compiled), written into buffers. Continues from
+    obs and returns the obs after the last step."""
+    for t in range(buffers["obs"].shape[0]):
+        obs = step(network, env, obs, {name: buffer[t] for name, buffer in buffers.items()}, generator,
+                   episode_sums)
+    return obs
+
+
+def make_rollout(network, env, obs, buffers, generator, episode_sums, step=rollout_step):
     """collect_rollout from obs that writes the obs after its last step back into obs: every tensor it reads or
     writes keeps its address, so the whole rollout can be captured in one CUDA graph and replayed, drawing fresh
     actions and tasks from its registered generators at every replay.
@@ -676,7 +696,7 @@ def make_rollout(network, env, obs, buffers, generator, episode_sums, forward=No
     and that call is the iteration's rollout: learned from and counted as any other, while the capture itself
     runs nothing. So no env step goes unused or uncounted, and episode_sums holds no extra rollout."""
     def rollout():
-        copy_obs(obs, collect_rollout(network, env, obs, buffers, generator, episode_sums, forward))
+        copy_obs(obs, collect_rollout(network, env, obs, buffers, generator, episode_sums, step))
 
     return rollout
 
@@ -793,8 +813,9 @@ def train(args: Args):
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=batch_size,
               updates_per_iteration=args.update_epochs * args.num_minibatches, progress="env steps")
     obs, _ = env.reset()  # the rollout reads and writes these tensors in place (a captured graph reads them)
-    rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums,
-                           run.compiled(network.full_depth))
+    step = run.compiled(rollout_step) if args.compile_env_step else \
+        partial(rollout_step, forward=run.compiled(network.full_depth))
+    rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums, step)
     graphed_rollout, graphed_targets, updates_by_phase = None, {}, {}  # the updates: one per phase
     evaluate_now = make_evaluate(network, eval_envs, run.cuda_graph)  # on a GPU, each depth's episode a CUDA graph
 

@@ -2,6 +2,7 @@
 
     python bench/ppo_throughput.py                       # GPU, the script's defaults (compiled, CUDA graph)
     python bench/ppo_throughput.py --no-compile --no-cuda-graph    # the eager loop
+    python bench/ppo_throughput.py --compile-env-step    # the rollout's whole step compiled, not its policy alone
     python bench/ppo_throughput.py --cpu --num-envs 64 --num-steps 32 --num-minibatches 4 --iterations 3
 
 Runs train() for --iterations rollouts in each phase (pretraining, then FlexLoop with its teacher), logging every
@@ -60,9 +61,10 @@ def time_rollout_and_eval(args, device, graphed, profile=False, profile_top=8, c
     buffers = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, device)
     generator, episode_sums = torch.Generator(device).manual_seed(0), torch.zeros(4, device=device)
     obs, _ = env.reset()
-    compiled = args.compile and device.type == "cuda"  # as train() runs the policy pass
-    forward = torch.compile(network.full_depth) if compiled else None
-    rollout = gcppo.make_rollout(network, env, obs, buffers, generator, episode_sums, forward)
+    compiled = args.compile and device.type == "cuda"  # as train() compiles the step, or its policy pass
+    step = torch.compile(gcppo.rollout_step) if compiled and args.compile_env_step else \
+        partial(gcppo.rollout_step, forward=torch.compile(network.full_depth) if compiled else None)
+    rollout = gcppo.make_rollout(network, env, obs, buffers, generator, episode_sums, step)
     targets = partial(gcppo.prepare_targets, network, network, buffers, obs, args)  # with a teacher, as FlexLoop
     if graphed:  # as train() replays them (the captures warm up too)
         rollout = flexloop_run.capture_cuda_graph(rollout, [generator, env.generator], warmup=1)
@@ -136,6 +138,8 @@ if __name__ == "__main__":
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE", help=INDUCTOR_HELP)
     parser.add_argument("--fused-iru", action="store_true", help="the script's --fused-iru: the K IRU steps as "
                         "flexloop_kernels.py's Triton kernels")
+    parser.add_argument("--compile-env-step", action="store_true", help="the script's --compile-env-step: the "
+                        "rollout's whole step compiled, not its policy pass alone")
     cli = parser.parse_args()
     inductor_options = set_inductor_options(cli.inductor)
 
@@ -151,7 +155,8 @@ if __name__ == "__main__":
                               num_minibatches=cli.num_minibatches, update_epochs=cli.update_epochs,
                               pretrain_timesteps=rollouts * batch, total_timesteps=rollouts * batch,
                               eval_every=10**9, save_every=10**9, log_every=1, compile=cli.compile,
-                              cuda_graph=cli.cuda_graph, fused_iru=cli.fused_iru, run_dir=run_dir)
+                              cuda_graph=cli.cuda_graph, fused_iru=cli.fused_iru,
+                              compile_env_step=cli.compile_env_step, run_dir=run_dir)
         rates = steady_rates(args_for(cli.iterations))
         parts = time_rollout_and_eval(args_for(1), device, graphed=cli.cuda_graph and on_gpu, profile=cli.profile,
                                       profile_top=cli.profile_top, compile_mode=cli.profile_compile_mode,
@@ -159,7 +164,7 @@ if __name__ == "__main__":
     seconds_per_iteration = {phase: round(batch / sps, 3) for phase, sps in rates.items()}
     print(json.dumps({
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
-        "inductor": inductor_options, "fused_iru": cli.fused_iru,
+        "inductor": inductor_options, "fused_iru": cli.fused_iru, "compile_env_step": cli.compile_env_step,
         "num_envs": cli.num_envs, "num_steps": cli.num_steps, "num_minibatches": cli.num_minibatches,
         "update_epochs": cli.update_epochs, "compile": cli.compile and on_gpu, "cuda_graph": cli.cuda_graph and on_gpu,
         "iterations_per_phase": cli.iterations, "env_steps_per_second": rates,

@@ -220,15 +220,21 @@ class LightsOutVecEnv(gymnasium.vector.VectorEnv):
         self.episode_return = torch.zeros(self.num_envs, dtype=torch.float32, device=device)
         self._needs_reset = True
 
-    def _sample_tasks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # a fresh task for every env (step keeps only the rows that finished, so the RNG use is fixed-shape)
+    def _task_draws(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # the random numbers of a fresh task for every env (step keeps only the rows that finished, so the RNG
+        # use is fixed-shape): start lights, press counts, and keys whose order is a random permutation
         n, g, dev = self.num_envs, self.generator, self.device
-        start = torch.randint(0, 2, (n, NUM_LIGHTS), generator=g, device=dev).bool()
+        start = torch.randint(0, 2, (n, NUM_LIGHTS), generator=g, device=dev)
         dist = torch.randint(self.dist_low, self.dist_high + 1, (n,), generator=g, device=dev)
+        return start, dist, torch.rand(n, NUM_LIGHTS, generator=g, device=dev)
+
+    def _sample_tasks(self, draws=None) -> tuple[torch.Tensor, torch.Tensor]:
+        start, dist, keys = self._task_draws() if draws is None else draws
+        start, n = start.bool(), self.num_envs
         # `dist` distinct buttons: a random permutation per env, keep its first `dist` entries
-        perm = torch.rand(n, NUM_LIGHTS, generator=g, device=dev).argsort(dim=1)
+        perm = keys.argsort(dim=1)
         keep = self._light_index.expand(n, NUM_LIGHTS) < dist[:, None]
-        buttons = torch.zeros(n, NUM_LIGHTS, dtype=torch.bool, device=dev).scatter_(1, perm, keep)
+        buttons = torch.zeros(n, NUM_LIGHTS, dtype=torch.bool, device=self.device).scatter_(1, perm, keep)
         goal = start ^ _gf2_matmul(buttons, self._press_float)
         return start, goal
 
@@ -298,6 +304,9 @@ class LightsOutVecEnv(gymnasium.vector.VectorEnv):
         if self._needs_reset:
             raise RuntimeError("call reset() before step()")
         actions = self._validate_actions(actions)
+        # The next tasks' random numbers first: a draw from a named generator splits a torch.compile graph, so
+        # drawn here the rest of the step compiles as one graph (the stream is the same as drawing them later).
+        draws = self._task_draws()
 
         self.board ^= self._press_bool[actions]
         self.episode_length += 1
@@ -319,7 +328,7 @@ class LightsOutVecEnv(gymnasium.vector.VectorEnv):
         }
 
         # SAME_STEP autoreset: finished rows get a fresh task, the others keep theirs
-        new_board, new_goal = self._sample_tasks()
+        new_board, new_goal = self._sample_tasks(draws)
         self.board.copy_(torch.where(done[:, None], new_board, self.board))
         self.goal.copy_(torch.where(done[:, None], new_goal, self.goal))
         self.episode_length.masked_fill_(done, 0)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import types
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -361,9 +362,9 @@ def spied_run(tmp_path, **overrides):
     rollouts, updates, losses = [], [], []
     collect, make_update, ppo_loss = gcppo.collect_rollout, gcppo.make_update, gcppo.ppo_loss
 
-    def spy_collect(network, env, obs, buffers, generator, episode_sums, forward=None):
+    def spy_collect(network, env, obs, buffers, generator, episode_sums, step=gcppo.rollout_step):
         before = dict(lengths=env.episode_length.clone(), goal=env.goal.clone())
-        obs = collect(network, env, obs, buffers, generator, episode_sums, forward)
+        obs = collect(network, env, obs, buffers, generator, episode_sums, step)
         rollouts.append({**before, "goal_after": env.goal.clone()})
         return obs
 
@@ -614,10 +615,54 @@ def test_rollout_writes_its_last_obs_in_place_and_the_normalizer_keeps_its_tenso
     assert {name: getattr(network, name).data_ptr() for name in statistics} == statistics
 
 
-def rollouts_from_the_same_start(args, device, captured, compiled=False):
+def test_the_whole_rollout_step_compiles_to_the_eager_steps_without_recompiling():
+    """--compile-env-step compiles rollout_step whole: the policy, the action's draw, the env step with its
+    auto-reset draws, and the writes into this step's slice of the buffers. Under dynamo's trace and
+    functionalisation with PyTorch's own kernels (the aot_eager backend, on a CPU: the same numbers to the bit) two
+    rollouts fill the buffers, the episode sums, the env and the obs exactly as the eager steps do, and every step
+    after the first reuses the compiled graphs: a new buffer slice each step must not recompile."""
+    args = tiny_args(Path("."), num_envs=64, num_steps=12, max_episode_steps=4, depth=3, hidden_dim=16)
+    graphs, graphs_after_each_step = [], []
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return torch._dynamo.backends.debugging.aot_eager(graph, example_inputs)
+
+    def compiled_step(*step_args, compiled=torch.compile(gcppo.rollout_step, backend=counting_backend)):
+        obs = compiled(*step_args)
+        graphs_after_each_step.append(len(graphs))
+        return obs
+
+    torch._dynamo.reset()
+    runs = {}
+    for name, step in (("eager", gcppo.rollout_step), ("compiled", compiled_step)):
+        torch.manual_seed(0)
+        network = gcppo.build_network(args, "cpu")
+        env = envs.make_vec(args.env_id, args.num_envs, seed=3, check_actions=False,
+                            max_steps=args.max_episode_steps).unwrapped
+        buffers, sums = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, "cpu"), torch.zeros(4)
+        obs, _ = env.reset()
+        rollout = gcppo.make_rollout(network, env, obs, buffers, torch.Generator().manual_seed(7), sums, step)
+        rollout()
+        rollout()
+        runs[name] = dict(buffers=buffers, sums=sums, obs=obs, board=env.board, goal=env.goal,
+                          lengths=env.episode_length)
+    eager, compiled = runs["eager"], runs["compiled"]
+    for name in gcppo.make_rollout_buffers(1, 1, "cpu"):
+        assert torch.equal(compiled["buffers"][name], eager["buffers"][name]), name
+    for name in ("sums", "board", "goal", "lengths"):
+        assert torch.equal(compiled[name], eager[name]), name
+    assert all(torch.equal(compiled["obs"][key], eager["obs"][key]) for key in eager["obs"])
+    assert eager["sums"][0] > 0  # episodes ended and auto-reset inside the compiled steps
+    # compiled in the first step (in pieces: each draw from a named generator splits the graph), never again
+    assert len(graphs_after_each_step) == 2 * args.num_steps and 0 < graphs_after_each_step[0] == len(graphs)
+
+
+def rollouts_from_the_same_start(args, device, captured, compiled=None):
     """Three rollouts from one seed, eagerly or replayed from one captured graph whose single warm-up call is the
     first: between rollouts the normaliser takes in the last one, and before the third a hard reset refreshes obs.
-    compiled: the policy pass torch.compile'd, as train() runs it on a GPU."""
+    compiled: "policy", the policy pass torch.compile'd, as train() runs it on a GPU; "step", the whole step, as
+    with --compile-env-step; backend, torch.compile's (inductor by default)."""
     torch.manual_seed(0)
     network = gcppo.build_network(args, device)
     env = envs.make_vec(args.env_id, args.num_envs, device=device, seed=3, check_actions=False,
@@ -625,8 +670,9 @@ def rollouts_from_the_same_start(args, device, captured, compiled=False):
     buffers = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, device)
     generator, episode_sums = torch.Generator(device).manual_seed(7), torch.zeros(4, device=device)
     obs, _ = env.reset()
-    forward = torch.compile(network.full_depth) if compiled else None
-    rollout = gcppo.make_rollout(network, env, obs, buffers, generator, episode_sums, forward)
+    step = {None: gcppo.rollout_step, "step": torch.compile(gcppo.rollout_step),
+            "policy": partial(gcppo.rollout_step, forward=torch.compile(network.full_depth))}[compiled]
+    rollout = gcppo.make_rollout(network, env, obs, buffers, generator, episode_sums, step)
     if captured:
         replay = flexloop_run.capture_cuda_graph(rollout, [generator, env.generator], warmup=1)
     else:
@@ -644,7 +690,7 @@ def rollouts_from_the_same_start(args, device, captured, compiled=False):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [None, "policy", "step"])
 def test_captured_rollout_equals_the_eager_rollout(exact_float32_matmuls, compiled):
     """The rollout graph replays collect_rollout's steps: from the same seeds, its buffers, episode sums and final
     obs must be the eager rollout's, through normaliser updates (read in place) and a hard reset (the static obs
@@ -774,6 +820,8 @@ def test_captured_training_counts_every_env_step_resumes_and_learns(tmp_path):
     (dict(init_checkpoint="a.pt", resume="b.pt"), "not both"),
     (dict(minibatch_layout="time-rows", num_minibatches=16), "time-rows needs --num-minibatches 16 to divide"),
     (dict(hard_reset_every=-1), "--hard-reset-every must be 0"),
+    (dict(compile=False, compile_env_step=True), "--compile-env-step acts on torch.compile; drop it or --no-compile"),
+    (dict(compile=False, combo_kernels=True), "--combo-kernels acts on torch.compile; drop it or --no-compile"),
 ])
 def test_bad_flags(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
