@@ -628,7 +628,9 @@ def test_the_whole_rollout_step_compiles_to_the_eager_steps_without_recompiling(
         graphs.append(graph)
         return torch._dynamo.backends.debugging.aot_eager(graph, example_inputs)
 
-    def compiled_step(*step_args, compiled=torch.compile(gcppo.rollout_step, backend=counting_backend)):
+    compiled = torch.compile(gcppo.rollout_step, backend=counting_backend)
+
+    def compiled_step(*step_args):
         obs = compiled(*step_args)
         graphs_after_each_step.append(len(graphs))
         return obs
@@ -647,12 +649,12 @@ def test_the_whole_rollout_step_compiles_to_the_eager_steps_without_recompiling(
         rollout()
         runs[name] = dict(buffers=buffers, sums=sums, obs=obs, board=env.board, goal=env.goal,
                           lengths=env.episode_length)
-    eager, compiled = runs["eager"], runs["compiled"]
+    eager, traced = runs["eager"], runs["compiled"]
     for name in gcppo.make_rollout_buffers(1, 1, "cpu"):
-        assert torch.equal(compiled["buffers"][name], eager["buffers"][name]), name
+        assert torch.equal(traced["buffers"][name], eager["buffers"][name]), name
     for name in ("sums", "board", "goal", "lengths"):
-        assert torch.equal(compiled[name], eager[name]), name
-    assert all(torch.equal(compiled["obs"][key], eager["obs"][key]) for key in eager["obs"])
+        assert torch.equal(traced[name], eager[name]), name
+    assert all(torch.equal(traced["obs"][key], eager["obs"][key]) for key in eager["obs"])
     assert eager["sums"][0] > 0  # episodes ended and auto-reset inside the compiled steps
     # compiled in the first step (in pieces: each draw from a named generator splits the graph), never again
     assert len(graphs_after_each_step) == 2 * args.num_steps and 0 < graphs_after_each_step[0] == len(graphs)
