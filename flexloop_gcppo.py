@@ -17,7 +17,6 @@ D should change `divergence` to match, and changing `divergence` changes the rul
 import copy
 import sys
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -687,6 +686,15 @@ def collect_rollout(network, env, obs, buffers, generator, episode_sums, step=ro
     return obs
 
 
+def compiled_rollout_step(run, network, whole_step):
+    """rollout_step as train() runs it: with --compile on a GPU (run.compiled), compiled whole (--compile-env-step)
+    or with its policy pass alone compiled."""
+    if whole_step:
+        return run.compiled(rollout_step)
+    forward = run.compiled(network.full_depth)
+    return lambda *step_args: rollout_step(*step_args, forward=forward)
+
+
 def make_rollout(network, env, obs, buffers, generator, episode_sums, step=rollout_step):
     """collect_rollout from obs that writes the obs after its last step back into obs: every tensor it reads or
     writes keeps its address, so the whole rollout can be captured in one CUDA graph and replayed, drawing fresh
@@ -813,9 +821,8 @@ def train(args: Args):
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=batch_size,
               updates_per_iteration=args.update_epochs * args.num_minibatches, progress="env steps")
     obs, _ = env.reset()  # the rollout reads and writes these tensors in place (a captured graph reads them)
-    step = run.compiled(rollout_step) if args.compile_env_step else \
-        partial(rollout_step, forward=run.compiled(network.full_depth))
-    rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums, step)
+    rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums,
+                           compiled_rollout_step(run, network, args.compile_env_step))
     graphed_rollout, graphed_targets, updates_by_phase = None, {}, {}  # the updates: one per phase
     evaluate_now = make_evaluate(network, eval_envs, run.cuda_graph)  # on a GPU, each depth's episode a CUDA graph
 

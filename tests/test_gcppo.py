@@ -660,6 +660,27 @@ def test_the_whole_rollout_step_compiles_to_the_eager_steps_without_recompiling(
     assert len(graphs_after_each_step) == 2 * args.num_steps and 0 < graphs_after_each_step[0] == len(graphs)
 
 
+def test_train_compiles_the_whole_rollout_step_or_its_policy_pass_alone():
+    """compiled_rollout_step hands run.compiled (torch.compile on a GPU) the whole rollout_step with
+    --compile-env-step, and otherwise the policy pass, which the step then calls in place of network.full_depth."""
+    args = tiny_args(Path("."))
+    network = gcppo.build_network(args, "cpu")
+    given, policy_calls = [], []
+
+    def compiled(fn):
+        given.append(fn)
+        return fn if fn is gcppo.rollout_step else lambda *inputs: policy_calls.append(1) or fn(*inputs)
+
+    run = types.SimpleNamespace(compiled=compiled)
+    assert gcppo.compiled_rollout_step(run, network, whole_step=True) is gcppo.rollout_step
+    step = gcppo.compiled_rollout_step(run, network, whole_step=False)
+    assert given == [gcppo.rollout_step, network.full_depth]
+    env, _ = gcppo.make_envs(args, "cpu")
+    buffers = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, "cpu")
+    gcppo.collect_rollout(network, env, env.reset()[0], buffers, torch.Generator(), torch.zeros(4), step)
+    assert len(policy_calls) == args.num_steps  # every step's policy pass went through the compiled one
+
+
 def rollouts_from_the_same_start(args, device, captured, compiled=None):
     """Three rollouts from one seed, eagerly or replayed from one captured graph whose single warm-up call is the
     first: between rollouts the normaliser takes in the last one, and before the third a hard reset refreshes obs.

@@ -81,14 +81,15 @@ def test_no_module_imports_an_entry_point_except_the_benchmarks():
 
 
 @pytest.mark.skipif(subprocess.run(["which", "diff"], capture_output=True).returncode != 0, reason="needs GNU diff")
-def test_a_diff_of_gcdqn_and_gcppo_shows_at_most_47_hunks():
+def test_a_diff_of_gcdqn_and_gcppo_shows_at_most_48_hunks():
     """The two scripts differ by their algorithms, not by their bookkeeping (110 hunks on 2026-11-20, before the
     scripts shared one order and vocabulary; 44 on 2026-12-01, then GC-PPO's captured evaluation added one, and
-    GC-PPO's --fused-iru one more on 2026-12-04)."""
+    GC-PPO's --fused-iru one more on 2026-12-04, and its rollout step, a function of its own for
+    --compile-env-step, one more: diff aligns a few of its lines with GC-DQN's episode loop)."""
     diff = subprocess.run(["diff", "flexloop_gcdqn.py", "flexloop_gcppo.py"], cwd=ROOT, capture_output=True,
                           text=True).stdout
     hunks = [line for line in diff.splitlines() if line[:1].isdigit()]
-    assert len(hunks) <= 47, f"{len(hunks)} hunks: keep the shared parts of the two scripts in one order and wording"
+    assert len(hunks) <= 48, f"{len(hunks)} hunks: keep the shared parts of the two scripts in one order and wording"
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
