@@ -686,12 +686,12 @@ def collect_rollout(network, env, obs, buffers, generator, episode_sums, step=ro
     return obs
 
 
-def compiled_rollout_step(run, network, whole_step):
-    """rollout_step as train() runs it: with --compile on a GPU (run.compiled), compiled whole (--compile-env-step)
-    or with its policy pass alone compiled."""
+def compiled_rollout_step(compile, network, whole_step):
+    """rollout_step with compile (train(): run.compiled, torch.compile with --compile on a GPU) applied to the whole
+    step (--compile-env-step) or to its policy pass alone."""
     if whole_step:
-        return run.compiled(rollout_step)
-    forward = run.compiled(network.full_depth)
+        return compile(rollout_step)
+    forward = compile(network.full_depth)
     return lambda *step_args: rollout_step(*step_args, forward=forward)
 
 
@@ -822,7 +822,7 @@ def train(args: Args):
               updates_per_iteration=args.update_epochs * args.num_minibatches, progress="env steps")
     obs, _ = env.reset()  # the rollout reads and writes these tensors in place (a captured graph reads them)
     rollout = make_rollout(network, env, obs, buffers, generators["actions"], episode_sums,
-                           compiled_rollout_step(run, network, args.compile_env_step))
+                           compiled_rollout_step(run.compiled, network, args.compile_env_step))
     graphed_rollout, graphed_targets, updates_by_phase = None, {}, {}  # the updates: one per phase
     evaluate_now = make_evaluate(network, eval_envs, run.cuda_graph)  # on a GPU, each depth's episode a CUDA graph
 

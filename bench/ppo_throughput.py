@@ -61,9 +61,8 @@ def time_rollout_and_eval(args, device, graphed, profile=False, profile_top=8, c
     buffers = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, device)
     generator, episode_sums = torch.Generator(device).manual_seed(0), torch.zeros(4, device=device)
     obs, _ = env.reset()
-    compiled = args.compile and device.type == "cuda"  # as train() compiles the step, or its policy pass
-    step = torch.compile(gcppo.rollout_step) if compiled and args.compile_env_step else \
-        partial(gcppo.rollout_step, forward=torch.compile(network.full_depth) if compiled else None)
+    compile = torch.compile if args.compile and device.type == "cuda" else lambda fn: fn  # as train() compiles
+    step = gcppo.compiled_rollout_step(compile, network, args.compile_env_step)
     rollout = gcppo.make_rollout(network, env, obs, buffers, generator, episode_sums, step)
     targets = partial(gcppo.prepare_targets, network, network, buffers, obs, args)  # with a teacher, as FlexLoop
     if graphed:  # as train() replays them (the captures warm up too)

@@ -661,7 +661,7 @@ def test_the_whole_rollout_step_compiles_to_the_eager_steps_without_recompiling(
 
 
 def test_train_compiles_the_whole_rollout_step_or_its_policy_pass_alone():
-    """compiled_rollout_step hands run.compiled (torch.compile on a GPU) the whole rollout_step with
+    """compiled_rollout_step hands its compile function (train(): run.compiled) the whole rollout_step with
     --compile-env-step, and otherwise the policy pass, which the step then calls in place of network.full_depth."""
     args = tiny_args(Path("."))
     network = gcppo.build_network(args, "cpu")
@@ -671,9 +671,8 @@ def test_train_compiles_the_whole_rollout_step_or_its_policy_pass_alone():
         given.append(fn)
         return fn if fn is gcppo.rollout_step else lambda *inputs: policy_calls.append(1) or fn(*inputs)
 
-    run = types.SimpleNamespace(compiled=compiled)
-    assert gcppo.compiled_rollout_step(run, network, whole_step=True) is gcppo.rollout_step
-    step = gcppo.compiled_rollout_step(run, network, whole_step=False)
+    assert gcppo.compiled_rollout_step(compiled, network, whole_step=True) is gcppo.rollout_step
+    step = gcppo.compiled_rollout_step(compiled, network, whole_step=False)
     assert given == [gcppo.rollout_step, network.full_depth]
     env, _ = gcppo.make_envs(args, "cpu")
     buffers = gcppo.make_rollout_buffers(args.num_steps, args.num_envs, "cpu")
