@@ -24,11 +24,9 @@ import copy
 import math
 import sys
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Literal, NamedTuple, Optional
 
-import gymnasium
 import numpy as np
 import torch
 import torch.nn as nn
@@ -37,7 +35,7 @@ from tqdm.auto import tqdm
 
 import flexloop_run
 from envs import ogbench_data
-from envs.eval_workers import EvalWorkers
+from envs.eval_workers import EvalEnvs, EvalWorkers
 
 TASK_IDS = (1, 2, 3, 4, 5)  # OGBench's evaluation tasks, 1-indexed as env.reset(options=dict(task_id=k)) takes them
 ACTOR_STD = 1.0  # OGBench's const_std=True: the actor's Gaussian has a fixed unit std
@@ -655,31 +653,14 @@ def load_dataset(args, device):
 # ---------------------------------------------------------------------------------------------------------
 # Collection and per-depth evaluation
 # ---------------------------------------------------------------------------------------------------------
-# Offline: no collection. Evaluation runs OGBench's 5 tasks, episodes side by side in a gymnasium vector env.
-class TaskResetWrapper(gymnasium.Wrapper):
-    """Resets to task options['task_ids'][index], so the envs of one vector env can run different tasks, and to
-    the same episode for a seed in any process (ogbench_data.reset_episode)."""
-
-    def __init__(self, env, index):
-        super().__init__(env)
-        self.index = index
-
-    def reset(self, *, seed=None, options=None):
-        return ogbench_data.reset_episode(self.env, seed, int(options["task_ids"][self.index]))
-
-
-def make_eval_env(env_name, index):
-    return TaskResetWrapper(ogbench_data.make_eval_env(env_name), index)
-
-
+# Offline: no collection. Evaluation runs OGBench's 5 tasks, episodes side by side in a batch of envs.
 def make_eval_vector_env(env_name, num_envs, async_envs=True):
-    """num_envs OGBench evaluation envs. async_envs: stepped in batches by one worker process per usable core
-    (envs/eval_workers.py), the same episodes as in this process. Episodes never auto-reset: `rollout` resets
+    """num_envs OGBench evaluation envs (envs/eval_workers.py). async_envs: stepped in batches by one worker
+    process per usable core, the same episodes as in this process. Episodes never auto-reset: `rollout` resets
     each env itself with the task of its next episode."""
     if async_envs:
         return EvalWorkers(env_name, num_envs, workers=ogbench_data.usable_cores())
-    env_fns = [partial(make_eval_env, env_name, i) for i in range(num_envs)]
-    return gymnasium.vector.SyncVectorEnv(env_fns, autoreset_mode=gymnasium.vector.AutoresetMode.DISABLED)
+    return EvalEnvs(env_name, num_envs)
 
 
 def depth_policy_fn(actor, device):
@@ -718,19 +699,21 @@ def rollout(policy_fn, vector_env, task_ids=TASK_IDS, episodes=50, num_policies=
     next_job = 0
     pbar = tqdm(total=len(jobs), desc="eval", disable=not progress, leave=False, dynamic_ncols=True)
 
-    def start_next_jobs(envs_to_reset):
-        """Reset the given envs into the next waiting jobs (idle envs get a placeholder episode to step)."""
+    def start_next_jobs(free_envs):
+        """Reset the given envs into the next waiting jobs; an env left without one goes idle and is not stepped."""
         nonlocal next_job
         tasks, seeds = np.full(num_envs, task_ids[0]), [0] * num_envs
-        for i in np.flatnonzero(envs_to_reset):
+        for i in np.flatnonzero(free_envs):
             if next_job < len(jobs):
                 job_of[i], tasks[i], seeds[i] = next_job, task_ids[jobs[next_job][1]], seed + next_job
                 next_job += 1
             else:
                 job_of[i] = -1
-        new_obs, info = vector_env.reset(seed=seeds, options={"reset_mask": envs_to_reset, "task_ids": tasks})
-        obs[envs_to_reset] = new_obs[envs_to_reset]
-        goals[envs_to_reset] = info["goal"][envs_to_reset]
+        starting = free_envs & (job_of >= 0)
+        if starting.any():
+            new_obs, info = vector_env.reset(seed=seeds, options={"reset_mask": starting, "task_ids": tasks})
+            obs[starting] = new_obs[starting]
+            goals[starting] = info["goal"][starting]
 
     start_next_jobs(np.ones(num_envs, bool))
     policy_of_job = np.array([p for p, _, _ in jobs] or [0])
@@ -739,10 +722,10 @@ def rollout(policy_fn, vector_env, task_ids=TASK_IDS, episodes=50, num_policies=
         actions = np.zeros((num_envs, action_dim), np.float32)
         chosen = policy_fn(obs[running], goals[running], policy_of_job[job_of[running]])
         actions[running] = chosen.cpu().numpy() if torch.is_tensor(chosen) else np.asarray(chosen)
-        new_obs, _, terminated, truncated, info = vector_env.step(actions)
-        obs[:] = new_obs
-        done = terminated | truncated
-        for i in np.flatnonzero(done & running):
+        new_obs, _, terminated, truncated, info = vector_env.step(actions, running)
+        obs[running] = new_obs[running]
+        done = (terminated | truncated) & running
+        for i in np.flatnonzero(done):
             success[job_of[i]] = float(info["success"][i])
             pbar.update(1)
         if done.any():

@@ -1,18 +1,19 @@
-"""OGBench evaluation envs stepped in batches by a few worker processes.
+"""OGBench evaluation envs, stepped in batches: in this process (EvalEnvs) or by a few worker processes
+(EvalWorkers), each of which owns a slice of the envs and steps all of them per message.
 
 gymnasium's AsyncVectorEnv gives every env a process and a message each way per step; with 50 envs on 2 cores it
-stepped 1.58x slower than one process (docs/benchmarks.md). Here each of `workers` processes owns a slice of the
-envs and steps all of them per message, so a step of the batch is one round trip per worker.
+stepped 1.58x slower than one process (docs/benchmarks.md). Here a step of the batch is one round trip per worker.
 
-The interface is the part of a gymnasium vector env that `flexloop_gciql.rollout` uses (no auto-reset):
+The interface is what `flexloop_gciql.rollout` uses (no auto-reset). Only the envs named by a mask are reset or
+stepped: an env with no episode left to run stands still instead of stepping physics nobody reads.
 
-    envs = EvalWorkers("pointmaze-large-stitch-v0", num_envs=50, workers=4)
+    envs = EvalWorkers("pointmaze-large-stitch-v0", num_envs=50, workers=4)      # or EvalEnvs(name, num_envs=50)
     obs, info = envs.reset(seed=[...], options={"reset_mask": mask, "task_ids": tasks})   # info["goal"]
-    obs, reward, terminated, truncated, info = envs.step(actions)                        # info["success"]
+    obs, reward, terminated, truncated, info = envs.step(actions, running)               # info["success"]
     envs.close()
 
-Env i is made, reset (ogbench_data.reset_episode) and stepped as in flexloop_gciql's SyncVectorEnv, so the
-episodes are the same.
+Rows that are not reset or stepped come back as zeros. Env i is reset with ogbench_data.reset_episode, so an
+episode is the same in any process and whichever env runs it.
 """
 
 import multiprocessing
@@ -22,33 +23,62 @@ import traceback
 import numpy as np
 
 
-def _serve(connection, env_name, count):
-    """A worker: `count` evaluation envs, reset and stepped on command. Every reply is (error, result): a failure
-    goes back as its traceback, for the parent to raise."""
-    from envs import ogbench_data
+class EvalEnvs:
+    """num_envs evaluation envs of env_name in this process."""
 
-    envs = []
+    def __init__(self, env_name, num_envs):
+        from envs import ogbench_data
+
+        if num_envs < 1:
+            raise ValueError(f"the evaluation envs need num_envs >= 1, got {num_envs}")
+        self.reset_episode = ogbench_data.reset_episode
+        self.num_envs, self.envs = num_envs, []
+        for _ in range(num_envs):  # appended one by one, so close() closes those made before a failure
+            self.envs.append(ogbench_data.make_eval_env(env_name))
+        self.single_observation_space = self.envs[0].observation_space
+        self.single_action_space = self.envs[0].action_space
+        self.obs_dim = self.single_observation_space.shape[0]
+
+    def reset(self, *, seed, options):
+        obs = np.zeros((self.num_envs, self.obs_dim), np.float32)
+        goals = np.zeros_like(obs)
+        for i in np.flatnonzero(options["reset_mask"]):
+            obs[i], info = self.reset_episode(self.envs[i], int(seed[i]), int(options["task_ids"][i]))
+            goals[i] = info["goal"]
+        return obs, {"goal": goals}
+
+    def step(self, actions, running=None):
+        count = self.num_envs
+        obs = np.zeros((count, self.obs_dim), np.float32)
+        reward, success = np.zeros(count), np.zeros(count)
+        terminated, truncated = np.zeros(count, bool), np.zeros(count, bool)
+        for i in range(count) if running is None else np.flatnonzero(running):
+            obs[i], reward[i], terminated[i], truncated[i], info = self.envs[i].step(actions[i])
+            success[i] = info["success"]
+        return obs, reward, terminated, truncated, {"success": success}
+
+    def close(self):
+        for env in self.envs:
+            env.close()
+        self.envs = []
+
+
+def _serve(connection, env_name, count):
+    """A worker: `count` evaluation envs (EvalEnvs), reset and stepped on command. Every reply is (error, result):
+    a failure goes back as its traceback, for the parent to raise."""
+    envs = None
     try:
-        envs = [ogbench_data.make_eval_env(env_name) for _ in range(count)]
-        obs_dim = envs[0].observation_space.shape[0]
-        connection.send((None, (envs[0].observation_space, envs[0].action_space)))
+        envs = EvalEnvs(env_name, count)
+        connection.send((None, (envs.single_observation_space, envs.single_action_space)))
         while True:
             command, payload = connection.recv()
             if command == "reset":
                 seeds, mask, task_ids = payload
-                obs, goals = np.zeros((count, obs_dim), np.float32), np.zeros((count, obs_dim), np.float32)
-                for i in np.flatnonzero(mask):
-                    obs[i], info = ogbench_data.reset_episode(envs[i], int(seeds[i]), int(task_ids[i]))
-                    goals[i] = info["goal"]
-                connection.send((None, (obs, goals)))
+                obs, info = envs.reset(seed=seeds, options={"reset_mask": mask, "task_ids": task_ids})
+                connection.send((None, (obs, info["goal"])))
             elif command == "step":
-                obs = np.zeros((count, obs_dim), np.float32)
-                reward, success = np.zeros(count), np.zeros(count)
-                terminated, truncated = np.zeros(count, bool), np.zeros(count, bool)
-                for i, env in enumerate(envs):
-                    obs[i], reward[i], terminated[i], truncated[i], info = env.step(payload[i])
-                    success[i] = info["success"]
-                connection.send((None, (obs, reward, terminated, truncated, success)))
+                obs, reward, terminated, truncated, info = envs.step(*payload)
+                connection.send((None, (obs, reward, terminated, truncated, info["success"])))
             else:  # "close"
                 break
     except (EOFError, KeyboardInterrupt):  # the parent is gone or stopping: nothing to answer
@@ -56,8 +86,8 @@ def _serve(connection, env_name, count):
     except Exception:  # noqa: BLE001  (any failure goes back to the parent, which raises it)
         connection.send((traceback.format_exc(), None))
     finally:
-        for env in envs:
-            env.close()
+        if envs is not None:
+            envs.close()
         connection.close()
 
 
@@ -107,9 +137,11 @@ class EvalWorkers:
         obs, goals = self._gather(lambda part: ("reset", (seeds[part], mask[part], task_ids[part])))
         return obs, {"goal": goals}
 
-    def step(self, actions):
+    def step(self, actions, running=None):
         actions = np.asarray(actions)
-        obs, reward, terminated, truncated, success = self._gather(lambda part: ("step", actions[part]))
+        running = np.ones(self.num_envs, bool) if running is None else np.asarray(running)
+        obs, reward, terminated, truncated, success = self._gather(lambda part: ("step", (actions[part],
+                                                                                          running[part])))
         return obs, reward, terminated, truncated, {"success": success}
 
     def close(self):

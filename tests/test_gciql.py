@@ -21,7 +21,7 @@ pytest.importorskip("ogbench")
 import flexloop_gciql as gciql  # noqa: E402
 import flexloop_run  # noqa: E402
 from envs import ogbench_data  # noqa: E402
-from envs.eval_workers import EvalWorkers  # noqa: E402
+from envs.eval_workers import EvalEnvs, EvalWorkers  # noqa: E402
 from conftest import PYTHONPATH  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -312,8 +312,8 @@ def test_rollout_runs_tasks_side_by_side_and_scores_final_success():
 
 
 def test_worker_processes_run_the_same_episodes_as_this_process():
-    """EvalWorkers (3 envs over 2 processes) against a SyncVectorEnv: the same observations at every step and
-    the same success, with episodes of different lengths reusing the envs."""
+    """EvalWorkers (3 envs over 2 processes) against EvalEnvs in this process: the same observations at every step
+    and the same success, with episodes of different lengths reusing the envs."""
     def recording(policy_fn, seen):
         def record(obs, goal, policy_index):
             seen.append((obs.copy(), goal.copy(), policy_index.copy()))
@@ -321,20 +321,58 @@ def test_worker_processes_run_the_same_episodes_as_this_process():
         return record
 
     results = []
-    for vector_env in (gciql.make_eval_vector_env(PM, 3, async_envs=False), EvalWorkers(PM, 3, workers=2)):
+    for vector_env in (EvalEnvs(PM, 3), EvalWorkers(PM, 3, workers=2)):
         seen = []
         success = gciql.rollout(recording(pointmaze_oracle()[0], seen), vector_env, task_ids=(1, 2), episodes=2,
                                 num_policies=2, seed=5)
         vector_env.close()
         results.append((success, seen))
-    (sync_success, sync_seen), (worker_success, worker_seen) = results
-    np.testing.assert_array_equal(worker_success, sync_success)
-    assert sync_success[0].all() and not sync_success[1].any()  # the oracle reaches its goals; standing still not
-    assert len(worker_seen) == len(sync_seen)
-    for (obs, goal, index), (sync_obs, sync_goal, sync_index) in zip(worker_seen, sync_seen):
-        np.testing.assert_array_equal(obs, sync_obs)
-        np.testing.assert_array_equal(goal, sync_goal)
-        np.testing.assert_array_equal(index, sync_index)
+    (local_success, local_seen), (worker_success, worker_seen) = results
+    np.testing.assert_array_equal(worker_success, local_success)
+    assert local_success[0].all() and not local_success[1].any()  # the oracle reaches its goals; standing still not
+    assert len(worker_seen) == len(local_seen)
+    for (obs, goal, index), (local_obs, local_goal, local_index) in zip(worker_seen, local_seen):
+        np.testing.assert_array_equal(obs, local_obs)
+        np.testing.assert_array_equal(goal, local_goal)
+        np.testing.assert_array_equal(index, local_index)
+
+
+def test_rollout_steps_only_the_envs_running_an_episode():
+    """An env with no episode left to run is neither reset nor stepped: the physics steps add up to the episodes'
+    own lengths, and an episode's observations are those of the same episode run alone in a fresh env."""
+    policy_fn, _ = pointmaze_oracle()
+    vector_env = EvalEnvs(PM, 4)  # more envs than the 3 episodes
+    steps, first_obs = [0] * 4, {}
+    for i, env in enumerate(vector_env.envs):
+        def counted(action, step=env.step, i=i):
+            steps[i] += 1
+            return step(action)
+        env.step = counted
+
+    def record_first_episode(obs, goal, policy_index):
+        first_obs.setdefault(len(first_obs), obs[0].copy())  # row 0 is episode 0 at every step while it runs
+        return policy_fn(obs, goal, policy_index)
+
+    success = gciql.rollout(record_first_episode, vector_env, task_ids=(1, 3, 4), episodes=1, num_policies=1,
+                            seed=7)
+    vector_env.close()
+    assert success.shape == (1, 3, 1) and success.all()
+    assert steps[3] == 0  # the fourth env never had an episode
+
+    alone, lengths = ogbench_data.make_eval_env(PM), []  # the three episodes (task, seed) run by hand
+    for task_id, episode_seed in ((1, 7), (3, 8), (4, 9)):
+        obs, info = ogbench_data.reset_episode(alone, episode_seed, task_id)
+        goal = info["goal"].astype(np.float32)[None]
+        for t in range(alone.spec.max_episode_steps):
+            obs = obs.astype(np.float32)  # as rollout passes it
+            if task_id == 1 and t < 5:
+                np.testing.assert_array_equal(obs, first_obs[t])
+            obs, _, terminated, truncated, _ = alone.step(policy_fn(obs[None], goal, np.zeros(1))[0])
+            if terminated or truncated:
+                break
+        lengths.append(t + 1)
+    alone.close()
+    assert sorted(steps[:3]) == sorted(lengths)  # each env stepped its own episode to its end, and no further
 
 
 def test_an_episode_seed_gives_the_same_start_and_goal_whatever_numpys_global_state():
@@ -360,6 +398,8 @@ def test_an_episode_seed_gives_the_same_start_and_goal_whatever_numpys_global_st
 def test_eval_workers_refuse_empty_sizes_close_twice_and_raise_a_workers_error():
     with pytest.raises(ValueError, match="num_envs >= 1 and workers >= 1"):
         EvalWorkers(PM, 0, workers=2)
+    with pytest.raises(ValueError, match="num_envs >= 1"):
+        EvalEnvs(PM, 0)
     envs = EvalWorkers(PM, 2, workers=4)  # more workers than envs: one env each
     assert len(envs.processes) == 2 and envs.num_envs == 2
     envs.close()
