@@ -272,7 +272,7 @@ def test_lightsout_adapter_counts_first_episodes_until_success():
 
 def test_ogbench_envs_step_as_the_run_did_unless_told_to_use_one_process():
     """OGBench's envs step in subprocesses where the checkpoint's run stepped them so, in one process where it did
-    not or where --no-eval-async says so (faster on a 2-core CPU)."""
+    not or where --no-eval-async says so."""
     import flexloop_gciql as gciql
     for run_async in (True, False):
         train_args = gciql.Args(env_name="pointmaze-large-stitch-v0", eval_async=run_async)
