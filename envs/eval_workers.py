@@ -33,8 +33,12 @@ class EvalEnvs:
             raise ValueError(f"the evaluation envs need num_envs >= 1, got {num_envs}")
         self.reset_episode = ogbench_data.reset_episode
         self.num_envs, self.envs = num_envs, []
-        for _ in range(num_envs):  # appended one by one, so close() closes those made before a failure
-            self.envs.append(ogbench_data.make_eval_env(env_name))
+        try:
+            for _ in range(num_envs):
+                self.envs.append(ogbench_data.make_eval_env(env_name))
+        except BaseException:  # close the envs made before the failure
+            self.close()
+            raise
         self.single_observation_space = self.envs[0].observation_space
         self.single_action_space = self.envs[0].action_space
         self.obs_dim = self.single_observation_space.shape[0]
@@ -140,8 +144,8 @@ class EvalWorkers:
     def step(self, actions, running=None):
         actions = np.asarray(actions)
         running = np.ones(self.num_envs, bool) if running is None else np.asarray(running)
-        obs, reward, terminated, truncated, success = self._gather(lambda part: ("step", (actions[part],
-                                                                                          running[part])))
+        message = lambda part: ("step", (actions[part], running[part]))  # noqa: E731
+        obs, reward, terminated, truncated, success = self._gather(message)
         return obs, reward, terminated, truncated, {"success": success}
 
     def close(self):
