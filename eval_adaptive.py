@@ -119,6 +119,9 @@ class EvaluationArgs:
     """OGBench: step the episodes' MuJoCo envs in worker processes, one per core, as the checkpoint's run did
     unless it ran them in one process; --no-eval-async runs them in this process. The episodes are the same
     either way (docs/benchmarks.md)"""
+    ogbench_envs: Optional[int] = None
+    """OGBench: MuJoCo envs stepped side by side, the policy acting on all of them in one batch (default: the
+    checkpoint's run's --eval-envs, 50). More envs make fewer, larger policy calls; the episodes are the same"""
 
 
 @dataclass
@@ -178,8 +181,9 @@ def check_args(args: Args):
     for name in ["analysis_bins", "trace_frames", "stress_warmup", "stress_samples", "stress_block"]:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.num_eval_envs is not None and args.num_eval_envs <= 0:
-        raise ValueError(f"--num-eval-envs must be positive, got {args.num_eval_envs}")
+    for name in ["num_eval_envs", "ogbench_envs"]:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if any(n <= 0 for n in args.stress_envs):
         raise ValueError(f"--stress-envs must be positive env counts, got {args.stress_envs}")
     if not 0 <= args.stress_min_shrink < 1 or args.stress_bucket_margin < 0:
@@ -439,7 +443,7 @@ class OGBenchAdapter:
         self.module, self.network, self.env_id, self.device = module, network, env_id, device
         self.spec = get_spec(env_id)
         self.episodes = args.num_eval_envs or getattr(train_args, "eval_episodes", 50)
-        self.num_envs = getattr(train_args, "eval_envs", 50)
+        self.num_envs = args.ogbench_envs or getattr(train_args, "eval_envs", 50)
         self.async_envs = args.eval_async and getattr(train_args, "eval_async", True)
         self.seed = args.seed
         self.vector_env = None

@@ -282,6 +282,15 @@ def test_ogbench_envs_step_as_the_run_did_unless_told_to_use_one_process():
             assert adapter.async_envs is expected
 
 
+def test_ogbench_env_count_is_the_runs_unless_given():
+    import flexloop_gciql as gciql
+    train_args = gciql.Args(env_name="pointmaze-large-stitch-v0", eval_envs=30)
+    for flags, expected in (([], 30), (["--ogbench-envs", "100"], 100)):
+        args = tyro.cli(ea.Args, args=["--checkpoints", "x.pt", *flags])
+        adapter = ea.OGBenchAdapter(gciql, None, train_args, "pointmaze-large-stitch-v0", args, "cpu")
+        assert adapter.num_envs == expected
+
+
 
 def test_ogbench_trace_follows_the_first_successful_episode_of_a_task():
     """The paper's Figure 6 shows successful episodes: the trace tries the task's episodes in seed order until one
@@ -335,6 +344,7 @@ def test_ogbench_trace_follows_the_first_successful_episode_of_a_task():
     (dict(retain=0.0), "--retain must lie in"),
     (dict(labels=("a", "b")), "one label per checkpoint"),
     (dict(stress_envs=(0,)), "--stress-envs must be positive"),
+    (dict(ogbench_envs=0), "--ogbench-envs must be positive"),
     (dict(skip_eval=True, stress_envs=(8,)), "pass --stress-eps"),
     (dict(stress_env_id="LightsOut-4x5-v0"), "must be a BoxPick env"),
 ])
