@@ -342,7 +342,7 @@ def test_rollout_steps_only_the_envs_running_an_episode():
     own lengths, and an episode's observations are those of the same episode run alone in a fresh env."""
     policy_fn, _ = pointmaze_oracle()
     vector_env = EvalEnvs(PM, 4)  # more envs than the 3 episodes
-    steps, first_obs = [0] * 4, {}
+    steps, first_rows = [0] * 4, []
     for i, env in enumerate(vector_env.envs):
         def counted(action, step=env.step, i=i):
             steps[i] += 1
@@ -350,7 +350,7 @@ def test_rollout_steps_only_the_envs_running_an_episode():
         env.step = counted
 
     def record_first_episode(obs, goal, policy_index):
-        first_obs.setdefault(len(first_obs), obs[0].copy())  # row 0 is episode 0 at every step while it runs
+        first_rows.append(obs[0].copy())  # row 0 is episode 0 (task 1) for its first steps
         return policy_fn(obs, goal, policy_index)
 
     success = gciql.rollout(record_first_episode, vector_env, task_ids=(1, 3, 4), episodes=1, num_policies=1,
@@ -366,7 +366,7 @@ def test_rollout_steps_only_the_envs_running_an_episode():
         for t in range(alone.spec.max_episode_steps):
             obs = obs.astype(np.float32)  # as rollout passes it
             if task_id == 1 and t < 5:
-                np.testing.assert_array_equal(obs, first_obs[t])
+                np.testing.assert_array_equal(obs, first_rows[t])
             obs, _, terminated, truncated, _ = alone.step(policy_fn(obs[None], goal, np.zeros(1))[0])
             if terminated or truncated:
                 break
