@@ -897,7 +897,7 @@ for name, weight_grad in (("all_depths", "in kernel"), ("all_depths", "gemm"), (
     compared += [(key, p.grad, q.grad, r.grad) for (key, p), q, r in
                  zip(plain.named_parameters(), fused.parameters(), exact.parameters())]
     for key, by_pytorch, by_kernels, truth in compared:
-        assert by_kernels.shape == truth.shape and truth.abs().max() > 0, (name, key)
+        assert by_kernels.shape == truth.shape and truth.abs().max() > 0, (name, key)  # each on the inputs' path
         assert error(by_kernels, truth) <= max(4 * error(by_pytorch, truth), floor), \
             (name, weight_grad, key, error(by_kernels, truth), error(by_pytorch, truth))
 assert len(calls) == 3, calls  # both methods took the kernels' path
