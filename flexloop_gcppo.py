@@ -197,10 +197,13 @@ class PerformanceArgs:
     compile_env_step: bool = False
     """with --compile, compile the rollout's whole step (the policy pass, the action's sampling, the env step and
     the buffer writes) instead of the policy pass alone: around the policy, a step is 85 separate PyTorch
-    operations uncompiled. Not the default until timed on a GPU"""
+    operations uncompiled. 1.10x the env steps/s in bench/ppo_throughput.py on an H200 (docs/benchmarks.md); not
+    the default until runs with it are shown to learn as the runs without it"""
     fused_iru: bool = False
     """run the K IRU steps as two Triton kernels, one forward and one backward (flexloop_kernels.py), in place of
-    several PyTorch kernels a step; GPU only (H100, H200), the residual IRU at a hidden width of 16-64"""
+    several PyTorch kernels a step; GPU only (H100, H200), the residual IRU at a hidden width of 16-64. 1.13x the
+    env steps/s in pretraining and 1.22x in FlexLoop in bench/ppo_throughput.py on an H200 (docs/benchmarks.md);
+    not the default until runs with it are shown to learn as the runs without it"""
 
 
 @dataclass
