@@ -291,7 +291,6 @@ def test_ogbench_env_count_is_the_runs_unless_given():
         assert adapter.num_envs == expected
 
 
-
 def test_ogbench_trace_follows_the_first_successful_episode_of_a_task():
     """The paper's Figure 6 shows successful episodes: the trace tries the task's episodes in seed order until one
     succeeds (else shows the last tried), each run alone, so row 0's depths are that episode's."""
