@@ -192,18 +192,18 @@ class PerformanceArgs:
     LightsOut results' runs ran eagerly: --no-compile --no-cuda-graph"""
     combo_kernels: bool = False
     """with --compile, let inductor fuse independent kernels side by side (its combo_kernels option): 8% more env
-    steps/s in bench/ppo_throughput.py on an H200 (docs/benchmarks.md); not the default until runs with it are
-    shown to learn as the runs without it"""
+    steps/s in bench/ppo_throughput.py on an H200. On an H100 or H200 pass it with --fused-iru and
+    --compile-env-step (see --fused-iru)"""
     compile_env_step: bool = False
     """with --compile, compile the rollout's whole step (the policy pass, the action's sampling, the env step and
     the buffer writes) instead of the policy pass alone: around the policy, a step is 85 separate PyTorch
-    operations uncompiled. 1.10x the env steps/s in bench/ppo_throughput.py on an H200 (docs/benchmarks.md); not
-    the default until runs with it are shown to learn as the runs without it"""
+    operations uncompiled. 1.10x the env steps/s in bench/ppo_throughput.py on an H200 (see --fused-iru)"""
     fused_iru: bool = False
     """run the K IRU steps as two Triton kernels, one forward and one backward (flexloop_kernels.py), in place of
-    several PyTorch kernels a step; GPU only (H100, H200), the residual IRU at a hidden width of 16-64. 1.13x the
-    env steps/s in pretraining and 1.22x in FlexLoop in bench/ppo_throughput.py on an H200 (docs/benchmarks.md);
-    not the default until runs with it are shown to learn as the runs without it"""
+    several PyTorch kernels a step; GPU only (H100, H200), the residual IRU at a hidden width of 16-64. With
+    --compile-env-step and --combo-kernels: 2.46M env steps/s in pretraining and 1.92M in FlexLoop on an H200, and
+    three 50M-step pretraining runs learned as three without (docs/benchmarks.md). Off by default: the kernels
+    need a Hopper GPU, and the FlexLoop phase with them has run only in the tests' short runs"""
 
 
 @dataclass
