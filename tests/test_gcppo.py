@@ -925,7 +925,8 @@ def test_fused_iru_steps_give_the_network_s_outputs_and_gradients():
     """--fused-iru's Triton kernels (flexloop_kernels.py) and the IRU's own steps, both against the steps in float64:
     the logits and values of every depth and of depth K alone, and every parameter's gradient, with the gate
     weights' gradient summed in the backward kernel and by a matmul after it. The kernels must be as close to the
-    truth as PyTorch is (on a GPU both multiply in TF32). On a CPU under Triton's interpreter."""
+    truth as PyTorch is (on a GPU both multiply in TF32). On a GPU when there is one, else on a CPU under Triton's
+    interpreter."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
