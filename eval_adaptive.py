@@ -147,6 +147,8 @@ class StressArgs:
     """compact only when at least this fraction of the active rows stopped since the last compaction"""
     stress_bucket_margin: float = 0.05
     """CUDA graphs: compacted sizes are the recent maximum count plus this margin, rounded up to num_envs/32"""
+    stress_bucket_window: int = 10
+    """CUDA graphs: the recent maximum is over this many steps (bench/bucket_sizes.py counts the padding each costs)"""
     stress_freeze_sizes: bool = True
     """CUDA graphs: capture bucket sizes in the warm-up only; timed steps take the smallest captured sizes that
     hold their counts, so no capture lands in a timed block (the steady state of a long run). The runs timed
@@ -188,6 +190,8 @@ def check_args(args: Args):
         raise ValueError(f"--stress-envs must be positive env counts, got {args.stress_envs}")
     if not 0 <= args.stress_min_shrink < 1 or args.stress_bucket_margin < 0:
         raise ValueError("--stress-min-shrink must lie in [0, 1) and --stress-bucket-margin must be >= 0")
+    if args.stress_bucket_window < 1:
+        raise ValueError(f"--stress-bucket-window must be at least 1 step, got {args.stress_bucket_window}")
     if args.stress_env_id is not None and args.stress_env_id not in envs.BOXPICK_IDS:
         raise ValueError(f"--stress-env-id must be a BoxPick env (the stress test drives gcdqn checkpoints), "
                          f"got {args.stress_env_id!r}; choose one of {list(envs.BOXPICK_IDS)}")
@@ -736,14 +740,15 @@ class StressStepper:
     Eager compact mode compacts to exact counts (one host sync per depth). With CUDA graphs, full and masked replay
     one graph per step, and compact runs `bucketed`: a policy graph for its current compacted sizes, then one sync
     to read the going counts and the overflow flag, an exact redo of the batch on overflow, then the act + env.step
-    graph; the sizes follow the last 10 steps' counts. (bucketed=True without graphs runs the same logic eagerly.)
+    graph; the sizes follow the last `window` steps' counts. (bucketed=True without graphs runs the same logic
+    eagerly.)
 
     rows_run / rows_needed count the rows advanced through one recurrent step, against the exact compaction's."""
 
     def __init__(self, network, mode, eps, k_min, num_envs, env_id, split, seed, device, use_graph,
-                 min_shrink=0.1, margin=0.05, bucketed=None):
-        self.network, self.mode, self.eps, self.k_min, self.min_shrink, self.margin = \
-            network, mode, eps, k_min, min_shrink, margin
+                 min_shrink=0.1, margin=0.05, bucketed=None, window=10):
+        self.network, self.mode, self.eps, self.k_min, self.min_shrink, self.margin, self.window = \
+            network, mode, eps, k_min, min_shrink, margin, window
         self.use_graph, self.num_envs = use_graph, num_envs
         self.bucketed = use_graph and mode == "compact" if bucketed is None else bucketed
         self.env = envs.make_vec(env_id, num_envs, device=device, split=split, seed=seed, check_actions=False).unwrapped
@@ -834,7 +839,7 @@ class StressStepper:
         self.rows_needed += self.rows_before_stops + sum(stats[1:])
         if not self.num_levels:
             return
-        self.recent_counts = (self.recent_counts + [stats[1:]])[-10:]
+        self.recent_counts = (self.recent_counts + [stats[1:]])[-self.window:]
         sizes = bucket_sizes(self.recent_counts, self.num_envs, self.margin, self.min_shrink)
         if sizes not in self.policy_runs and (self.freeze_sizes or len(self.policy_runs) >= MAX_POLICY_GRAPHS):
             sizes = self.captured_sizes_holding(sizes)
@@ -874,7 +879,8 @@ def stress_test(network, args, eps, num_envs, device):
     use_graph = args.cuda_graph and device.type == "cuda"
     modes = ["full"] + list(dict.fromkeys(args.stress_mode))
     steppers = {mode: StressStepper(network, mode, eps, args.k_min, num_envs, args.stress_env_id, args.stress_split,
-                                    args.seed, device, use_graph, args.stress_min_shrink, args.stress_bucket_margin)
+                                    args.seed, device, use_graph, args.stress_min_shrink, args.stress_bucket_margin,
+                                    window=args.stress_bucket_window)
                 for mode in modes}
     for stepper in steppers.values():
         for _ in range(args.stress_warmup):
@@ -899,6 +905,8 @@ def stress_test(network, args, eps, num_envs, device):
     result = {"num_envs": num_envs, "env_id": args.stress_env_id, "split": args.stress_split, "eps": eps,
               "k_min": args.k_min, "depth": network.depth, "cuda_graph": use_graph, "compile": args.compile,
               "freeze_sizes": args.stress_freeze_sizes and use_graph,  # eager compact mode has no buckets
+              "bucket_margin": args.stress_bucket_margin, "bucket_window": args.stress_bucket_window,
+              "min_shrink": args.stress_min_shrink,
               "steps_timed": args.stress_samples * args.stress_block, "modes": {}}
     for mode in modes:
         q25, median, q75 = np.percentile(times[mode], [25, 50, 75])

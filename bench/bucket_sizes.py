@@ -33,6 +33,9 @@ parser.add_argument("--warmup", type=int, default=100, help="as eval_adaptive.py
 parser.add_argument("--steps", type=int, default=500, help="the steps a stress test times (50 samples of 10)")
 parser.add_argument("--freeze", action="store_true", help="no new sizes after the warm-up, as eval_adaptive.py by default "
                     "(without it: as --no-stress-freeze-sizes)")
+parser.add_argument("--margin", type=float, default=0.05, help="as eval_adaptive.py --stress-bucket-margin")
+parser.add_argument("--window", type=int, default=10, help="as eval_adaptive.py --stress-bucket-window")
+parser.add_argument("--min-shrink", type=float, default=0.1, help="as eval_adaptive.py --stress-min-shrink")
 parser.add_argument("--seed", type=int, default=1)
 args = parser.parse_args()
 
@@ -40,7 +43,8 @@ module, checkpoint = flexloop_run.load_any_checkpoint(args.checkpoint)
 network, _ = module.network_from_checkpoint(checkpoint, torch.device("cpu"))
 network.eval().requires_grad_(False)
 stepper = eval_adaptive.StressStepper(network, "compact", args.eps, 1, args.num_envs, checkpoint["env_id"], args.split,
-                                      args.seed, torch.device("cpu"), use_graph=False, bucketed=True)
+                                      args.seed, torch.device("cpu"), use_graph=False, bucketed=True,
+                                      margin=args.margin, window=args.window, min_shrink=args.min_shrink)
 start = time.time()
 new_sizes, bucket_fraction = [], []
 with torch.no_grad():
@@ -57,7 +61,8 @@ timed = new_sizes[args.warmup:]
 block_fractions = sorted(sum(bucket_fraction[i:i + 10]) / 10 for i in range(args.warmup, args.warmup + args.steps, 10))
 print(json.dumps({
     "checkpoint": args.checkpoint, "env_id": checkpoint["env_id"], "split": args.split, "eps": args.eps,
-    "num_envs": args.num_envs, "freeze": args.freeze,
+    "num_envs": args.num_envs, "freeze": args.freeze, "margin": args.margin, "window": args.window,
+    "min_shrink": args.min_shrink,
     "new_sizes_in_warmup": sum(new_sizes[:args.warmup]), "new_sizes_after_warmup": sum(timed),
     "new_sizes_per_100_steps": [sum(timed[i:i + 100]) for i in range(0, len(timed), 100)],
     "overflow_steps": stepper.overflow_steps,

@@ -207,6 +207,23 @@ def test_frozen_bucket_sizes_capture_nothing_new_and_still_follow_the_masked_epi
 
 
 
+def test_bucket_window_sizes_each_step_from_that_many_recent_counts():
+    """--stress-bucket-window: the next sizes cover the maximum count of the last `window` steps, no older ones."""
+    network, obs, goal = random_network_and_batch(seed=1, batch=64)
+    eps = eps_between_deltas(network, obs, goal, 0.4)
+    steppers = {window: ea.StressStepper(network, "compact", eps, 1, 64, "BoxPick-Exact-4-v0", "train", 3, "cpu",
+                                         False, min_shrink=0.0, margin=0.0, bucketed=True, window=window)
+                for window in (1, 10)}
+    history = []
+    for _ in range(12):
+        for stepper in steppers.values():
+            stepper.step()
+        history.append(steppers[1].recent_counts[-1])
+        assert steppers[1].recent_counts == history[-1:] and steppers[10].recent_counts == history[-10:]
+        assert steppers[1].sizes == ea.bucket_sizes(history[-1:], 64, 0.0, 0.0)
+    assert steppers[1].rows_needed == steppers[10].rows_needed  # the same episodes: only the padding differs
+
+
 def test_bucket_sizes_cover_recent_counts_and_skip_small_shrinks():
     recent = [[50, 30, 10], [52, 28, 12]]
     assert ea.bucket_sizes(recent, 64, margin=0.0, min_shrink=0.0) == (52, 30, 12)  # granule 64 / 32 = 2
@@ -343,6 +360,7 @@ def test_ogbench_trace_follows_the_first_successful_episode_of_a_task():
     (dict(retain=0.0), "--retain must lie in"),
     (dict(labels=("a", "b")), "one label per checkpoint"),
     (dict(stress_envs=(0,)), "--stress-envs must be positive"),
+    (dict(stress_bucket_window=0), "--stress-bucket-window must be at least 1 step"),
     (dict(ogbench_envs=0), "--ogbench-envs must be positive"),
     (dict(skip_eval=True, stress_envs=(8,)), "pass --stress-eps"),
     (dict(stress_env_id="LightsOut-4x5-v0"), "must be a BoxPick env"),
