@@ -206,7 +206,6 @@ def test_frozen_bucket_sizes_capture_nothing_new_and_still_follow_the_masked_epi
     assert torch.equal(bucketed.depth_counts, masked.depth_counts)
 
 
-
 def test_bucket_window_sizes_each_step_from_that_many_recent_counts():
     """--stress-bucket-window: the next sizes cover the maximum count of the last `window` steps, no older ones."""
     network, obs, goal = random_network_and_batch(seed=1, batch=64)
