@@ -189,21 +189,20 @@ class PerformanceArgs:
     compile: bool = True
     """torch.compile the minibatch update and the rollout's policy pass on GPU (ignored on CPU, where it does not
     pay). With --cuda-graph the compiled update made the loop 4x the eager one on an H100 (docs/benchmarks.md); the
-    LightsOut results' runs ran eagerly: --no-compile --no-cuda-graph"""
-    combo_kernels: bool = False
+    LightsOut results' runs ran eagerly, as --no-compile --no-cuda-graph --no-fused-iru runs"""
+    combo_kernels: bool = True
     """with --compile, let inductor fuse independent kernels side by side (its combo_kernels option): 8% more env
-    steps/s in bench/ppo_throughput.py on an H200. On an H100 or H200 pass it with --fused-iru and
-    --compile-env-step (see --fused-iru)"""
-    compile_env_step: bool = False
+    steps/s in bench/ppo_throughput.py on an H200 (see --fused-iru)"""
+    compile_env_step: bool = True
     """with --compile, compile the rollout's whole step (the policy pass, the action's sampling, the env step and
     the buffer writes) instead of the policy pass alone: around the policy, a step is 85 separate PyTorch
     operations uncompiled. 1.10x the env steps/s in bench/ppo_throughput.py on an H200 (see --fused-iru)"""
-    fused_iru: bool = False
+    fused_iru: bool = True
     """run the K IRU steps as two Triton kernels, one forward and one backward (flexloop_kernels.py), in place of
-    several PyTorch kernels a step; GPU only (H100, H200), the residual IRU at a hidden width of 16-64. With
-    --compile-env-step and --combo-kernels: 2.46M env steps/s in pretraining and 1.92M in FlexLoop on an H200, and
-    three 50M-step pretraining runs learned as three without (docs/benchmarks.md). Off by default: the kernels
-    need a Hopper GPU, and the FlexLoop phase with them has run only in the tests' short runs"""
+    several PyTorch kernels a step, where they run: a Hopper GPU (H100, H200), the residual IRU at a hidden width
+    of 16-64. Elsewhere the PyTorch steps run, and on a GPU the run says why at its start. With --compile-env-step
+    and --combo-kernels: 2.46M env steps/s in pretraining on an H200 and 2.22M in FlexLoop on an H100, and three
+    50M-step runs of each phase learned as three without them (docs/benchmarks.md)"""
 
 
 @dataclass
@@ -241,17 +240,6 @@ def check_args(args: Args):
     for name in POSITIVE_FLAGS:
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("combo_kernels", "compile_env_step"):  # they choose what torch.compile does
-        if getattr(args, name) and not args.compile:
-            raise ValueError(f"--{name.replace('_', '-')} acts on torch.compile; drop it or --no-compile")
-    if args.fused_iru and (args.backbone != "iru" or args.iru_variant != "residual"):
-        raise ValueError("--fused-iru runs the residual IRU's steps only; drop it with --backbone lstm or "
-                         "--iru-variant paper")
-    if args.fused_iru and args.hidden_dim not in (16, 32, 64):
-        raise ValueError(f"--fused-iru holds the gate weights in one program, at a hidden width of 16, 32 or 64; "
-                         f"got --hidden-dim {args.hidden_dim}: drop --fused-iru")
-    if args.fused_iru and not (args.cuda and torch.cuda.is_available()):
-        raise ValueError("--fused-iru runs Triton kernels on a GPU; on a CPU drop it")
     low, high = SPLITS["train"]
     if not low <= args.train_max_presses <= high:
         raise ValueError(f"--train-max-presses must lie in [{low}, {high}], got {args.train_max_presses}")
@@ -277,6 +265,21 @@ def check_args(args: Args):
     if args.init_checkpoint is None and args.pretrain_timesteps == 0 and not args.resume:
         raise ValueError("FlexLoop post-training needs a pretrained IRU-K: pass --init-checkpoint PATH or a "
                          "positive --pretrain-timesteps")
+
+
+def fused_iru_off_because(args: Args, device):
+    """Why --fused-iru's kernels cannot run here (None: they can)."""
+    device = torch.device(device)
+    if args.backbone != "iru" or args.iru_variant != "residual":
+        return "they run the residual IRU's steps only"
+    if args.hidden_dim not in (16, 32, 64):
+        return f"they hold the gate weights in one program, at a hidden width of 16, 32 or 64, not {args.hidden_dim}"
+    if device.type != "cuda":
+        return "they are GPU kernels"
+    if torch.cuda.get_device_capability(device)[0] != 9:  # flexloop_kernels.py: the backward needs 184,320 bytes
+        return (f"their blocks are sized for a Hopper GPU's shared memory (H100, H200); this GPU is "
+                f"{torch.cuda.get_device_name(device)}")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -455,10 +458,16 @@ class LSTMNetwork(IRUNetwork):
 
 
 def build_network(args: Args, device):
+    """The network for this device. --fused-iru is on by default: where its kernels cannot run, the PyTorch steps
+    do, a GPU run says why, and args.fused_iru becomes False, so the checkpoint and W&B record what ran."""
     network_args = dict(depth=args.depth, hidden_dim=args.hidden_dim, obs_clip=args.obs_clip)
     network = LSTMNetwork(**network_args) if args.backbone == "lstm" else \
         IRUNetwork(variant=args.iru_variant, **network_args)
-    if args.fused_iru and torch.device(device).type == "cuda":  # the K steps as Triton kernels, the teacher's too
+    why_not_fused = args.fused_iru and fused_iru_off_because(args, device)
+    if why_not_fused and torch.device(device).type == "cuda":
+        flexloop_run.say(f"the IRU steps run in PyTorch, not as --fused-iru's kernels: {why_not_fused}")
+    args.fused_iru = args.fused_iru and not why_not_fused
+    if args.fused_iru:  # the K steps as Triton kernels
         import flexloop_kernels
         network.fused_steps = flexloop_kernels.iru_steps
     return (init_like_flax(network) if args.init == "flax" else network).to(device)

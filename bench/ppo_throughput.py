@@ -1,8 +1,9 @@
 """Env steps per second of flexloop_gcppo.py's training loop (rollout + update epochs), at the default config.
 
-    python bench/ppo_throughput.py                       # GPU, the script's defaults (compiled, CUDA graph)
-    python bench/ppo_throughput.py --no-compile --no-cuda-graph    # the eager loop
-    python bench/ppo_throughput.py --compile-env-step    # the rollout's whole step compiled, not its policy alone
+    python bench/ppo_throughput.py                       # GPU, the script's defaults (compiled, CUDA graph, and
+                                                         # on an H100 or H200 the fused IRU kernels)
+    python bench/ppo_throughput.py --no-fused-iru --no-compile-env-step --no-combo-kernels   # before 2026-12-05
+    python bench/ppo_throughput.py --no-compile --no-cuda-graph --no-fused-iru    # the eager loop
     python bench/ppo_throughput.py --cpu --num-envs 64 --num-steps 32 --num-minibatches 4 --iterations 3
 
 Runs train() for --iterations rollouts in each phase (pretraining, then FlexLoop with its teacher), logging every
@@ -135,10 +136,14 @@ if __name__ == "__main__":
     parser.add_argument("--profile-compile-mode", default=None, help="torch.compile mode of the profiled update, "
                         "e.g. max-autotune-no-cudagraphs (Triton GEMMs with fused epilogues); train() uses the default")
     parser.add_argument("--inductor", nargs="*", default=[], metavar="KEY=VALUE", help=INDUCTOR_HELP)
-    parser.add_argument("--fused-iru", action="store_true", help="the script's --fused-iru: the K IRU steps as "
-                        "flexloop_kernels.py's Triton kernels")
-    parser.add_argument("--compile-env-step", action="store_true", help="the script's --compile-env-step: the "
-                        "rollout's whole step compiled, not its policy pass alone")
+    parser.add_argument("--fused-iru", action=argparse.BooleanOptionalAction, default=gcppo.Args.fused_iru,
+                        help="the script's --fused-iru: the K IRU steps as flexloop_kernels.py's Triton kernels, "
+                        "where they run")
+    parser.add_argument("--compile-env-step", action=argparse.BooleanOptionalAction,
+                        default=gcppo.Args.compile_env_step, help="the script's --compile-env-step: the rollout's "
+                        "whole step compiled, not its policy pass alone")
+    parser.add_argument("--combo-kernels", action=argparse.BooleanOptionalAction, default=gcppo.Args.combo_kernels,
+                        help="the script's --combo-kernels: inductor's combo kernels in what the run compiles")
     cli = parser.parse_args()
     inductor_options = set_inductor_options(cli.inductor)
 
@@ -155,7 +160,8 @@ if __name__ == "__main__":
                               pretrain_timesteps=rollouts * batch, total_timesteps=rollouts * batch,
                               eval_every=10**9, save_every=10**9, log_every=1, compile=cli.compile,
                               cuda_graph=cli.cuda_graph, fused_iru=cli.fused_iru,
-                              compile_env_step=cli.compile_env_step, run_dir=run_dir)
+                              compile_env_step=cli.compile_env_step, combo_kernels=cli.combo_kernels,
+                              run_dir=run_dir)
         rates = steady_rates(args_for(cli.iterations))
         parts = time_rollout_and_eval(args_for(1), device, graphed=cli.cuda_graph and on_gpu, profile=cli.profile,
                                       profile_top=cli.profile_top, compile_mode=cli.profile_compile_mode,
@@ -163,7 +169,8 @@ if __name__ == "__main__":
     seconds_per_iteration = {phase: round(batch / sps, 3) for phase, sps in rates.items()}
     print(json.dumps({
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
-        "inductor": inductor_options, "fused_iru": cli.fused_iru, "compile_env_step": cli.compile_env_step,
+        "inductor": inductor_options, "compile_env_step": cli.compile_env_step, "combo_kernels": cli.combo_kernels,
+        "fused_iru": cli.fused_iru and gcppo.fused_iru_off_because(args_for(1), device) is None,  # what ran
         "num_envs": cli.num_envs, "num_steps": cli.num_steps, "num_minibatches": cli.num_minibatches,
         "update_epochs": cli.update_epochs, "compile": cli.compile and on_gpu, "cuda_graph": cli.cuda_graph and on_gpu,
         "iterations_per_phase": cli.iterations, "env_steps_per_second": rates,

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import types
@@ -842,23 +843,48 @@ def test_captured_training_counts_every_env_step_resumes_and_learns(tmp_path):
     (dict(init_checkpoint="a.pt", resume="b.pt"), "not both"),
     (dict(minibatch_layout="time-rows", num_minibatches=16), "time-rows needs --num-minibatches 16 to divide"),
     (dict(hard_reset_every=-1), "--hard-reset-every must be 0"),
-    (dict(compile=False, compile_env_step=True), "--compile-env-step acts on torch.compile; drop it or --no-compile"),
-    (dict(compile=False, combo_kernels=True), "--combo-kernels acts on torch.compile; drop it or --no-compile"),
 ])
 def test_bad_flags(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         gcppo.check_args(tiny_args(tmp_path, **overrides))
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(backbone="lstm"), "residual IRU's steps only; drop it with --backbone lstm"),
-    (dict(iru_variant="paper"), "residual IRU's steps only"),
-    (dict(hidden_dim=128), "hidden width of 16, 32 or 64; got --hidden-dim 128: drop --fused-iru"),
-    (dict(), "runs Triton kernels on a GPU; on a CPU drop it"),
+@pytest.mark.parametrize("overrides, device, capability, reason", [
+    (dict(backbone="lstm"), "cuda", (9, 0), "residual IRU's steps only"),
+    (dict(iru_variant="paper"), "cuda", (9, 0), "residual IRU's steps only"),
+    (dict(hidden_dim=128), "cuda", (9, 0), "hidden width of 16, 32 or 64, not 128"),
+    (dict(), "cpu", (9, 0), "they are GPU kernels"),
+    (dict(), "cuda", (8, 0), r"Hopper GPU's shared memory \(H100, H200\); this GPU is NVIDIA A100-SXM4-80GB"),
+    (dict(), "cuda", (9, 0), None),
 ])
-def test_fused_iru_refuses_what_its_kernels_do_not_run(tmp_path, overrides, message):
-    with pytest.raises(ValueError, match=message):
-        gcppo.check_args(tiny_args(tmp_path, fused_iru=True, **overrides))
+def test_fused_iru_is_on_where_its_kernels_run_and_says_why_not_elsewhere(monkeypatch, tmp_path, overrides, device,
+                                                                          capability, reason):
+    """--fused-iru (on by default) runs on a Hopper GPU, the residual IRU at a width of 16-64; elsewhere the reason
+    names what stops it, and the flags pass the check either way."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    args = tiny_args(tmp_path, **overrides)
+    assert args.fused_iru and args.compile_env_step and args.combo_kernels  # the defaults
+    gcppo.check_args(args)
+    why = gcppo.fused_iru_off_because(args, device)
+    if reason is None:
+        assert why is None
+    else:
+        assert why is not None and re.search(reason, why), why
+
+
+def test_speed_flags_on_by_default_leave_a_cpu_run_as_it_was(tmp_path):
+    """On a CPU (no torch.compile, no kernels) the default flags change nothing: the run trains, its checkpoint
+    records that the fused steps did not run, and a checkpoint trained with them rebuilds with the PyTorch steps.
+    --no-compile with the compile flags on is no error: they act on what torch.compile compiles."""
+    gcppo.check_args(tiny_args(tmp_path, compile=False))
+    args = tiny_args(tmp_path, pretrain_timesteps=64, total_timesteps=64)
+    run_dir = gcppo.train(args)
+    checkpoint = flexloop_run.load_checkpoint(run_dir / "final.pt")
+    assert flexloop_run.args_from_checkpoint(gcppo.Args, checkpoint).fused_iru is False
+    checkpoint["args"]["fused_iru"] = True  # as a checkpoint trained on a Hopper GPU says
+    network, rebuilt = gcppo.network_from_checkpoint(checkpoint, "cpu")
+    assert network.fused_steps is None and rebuilt.fused_iru is False
 
 
 FUSED_CHECK = """
@@ -1066,12 +1092,13 @@ def test_throughput_bench_reports_each_phases_logged_rate(tmp_path):
 
 
 def test_combo_kernels_flag_is_inductors_option_when_the_run_compiles(monkeypatch):
-    """--combo-kernels turns on torch._inductor.config.combo_kernels as Run.compiled compiles (a GPU run); without
-    it inductor's own setting stands (bench --inductor sets it)."""
+    """--combo-kernels (the default) turns on torch._inductor.config.combo_kernels as Run.compiled compiles (a GPU
+    run); with --no-combo-kernels inductor's own setting stands (bench --inductor sets it)."""
     import torch._inductor.config as inductor_config
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn: seen.append(inductor_config.combo_kernels) or fn)
-    for args, before in ((gcppo.Args(combo_kernels=True), False), (gcppo.Args(), False), (gcppo.Args(), True),
+    off = gcppo.Args(combo_kernels=False)
+    for args, before in ((gcppo.Args(), False), (off, False), (off, True),
                          (types.SimpleNamespace(), False)):
         monkeypatch.setattr(inductor_config, "combo_kernels", before)
         assert flexloop_run.Run.compiled(types.SimpleNamespace(compile=True, args=args), len) is len
