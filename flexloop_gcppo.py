@@ -467,7 +467,7 @@ def build_network(args: Args, device):
     if why_not_fused and torch.device(device).type == "cuda":
         flexloop_run.say(f"the IRU steps run in PyTorch, not as --fused-iru's kernels: {why_not_fused}")
     args.fused_iru = args.fused_iru and not why_not_fused
-    if args.fused_iru:  # the K steps as Triton kernels
+    if args.fused_iru:  # the K steps as Triton kernels, the teacher's too (frozen_copy copies the network)
         import flexloop_kernels
         network.fused_steps = flexloop_kernels.iru_steps
     return (init_like_flax(network) if args.init == "flax" else network).to(device)
