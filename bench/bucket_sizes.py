@@ -9,7 +9,9 @@ this runs it eagerly (bucketed, no graphs) and prints JSON: the new sizes met in
 after it, the overflow redos, and the mean bucket size as a fraction of the envs (the compute the buckets keep),
 overall and as quartiles over the timed blocks of 10 steps: a wide spread there is work that changes from block
 to block (the episodes' phase), which no capture policy removes. rows_run_over_exact is the work the sizes cost:
-rows advanced one recurrent step (redos included) over what exact compaction advances.
+rows advanced one recurrent step (redos included) over what exact compaction advances. rows_at_depth_K_min and
+steps_with_a_row_at_depth_K say how often some row of the batch needs the last depth: in those steps the batch as
+a whole runs all K depths, so only fewer rows per depth (compact mode), never fewer depths, can shorten them.
 """
 
 import argparse
@@ -46,7 +48,7 @@ stepper = eval_adaptive.StressStepper(network, "compact", args.eps, 1, args.num_
                                       args.seed, torch.device("cpu"), use_graph=False, bucketed=True,
                                       margin=args.margin, window=args.window, min_shrink=args.min_shrink)
 start = time.time()
-new_sizes, bucket_fraction = [], []
+new_sizes, bucket_fraction, rows_at_depth_K = [], [], []
 with torch.no_grad():
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -57,6 +59,7 @@ with torch.no_grad():
         stepper.step()
         new_sizes.append(stepper.captured_policies() - captured)
         bucket_fraction.append(sum(sizes) / (args.num_envs * max(stepper.num_levels, 1)))
+        rows_at_depth_K.append(int((stepper.depth == network.depth).sum()))
 timed = new_sizes[args.warmup:]
 block_fractions = sorted(sum(bucket_fraction[i:i + 10]) / 10 for i in range(args.warmup, args.warmup + args.steps, 10))
 print(json.dumps({
@@ -69,4 +72,7 @@ print(json.dumps({
     "mean_bucket_fraction_after_warmup": sum(bucket_fraction[args.warmup:]) / args.steps,
     "block_bucket_fraction_q25_median_q75": [block_fractions[int(q * (len(block_fractions) - 1))] for q in (0.25, 0.5, 0.75)],
     "rows_run_over_exact": stepper.report()["rows_run_over_exact"],
-    "mean_depth": stepper.report()["mean_depth"], "seconds": round(time.time() - start, 1)}))
+    "mean_depth": stepper.report()["mean_depth"],
+    "rows_at_depth_K_min": min(rows_at_depth_K[args.warmup:]),
+    "steps_with_a_row_at_depth_K": sum(n > 0 for n in rows_at_depth_K[args.warmup:]) / args.steps,
+    "seconds": round(time.time() - start, 1)}))

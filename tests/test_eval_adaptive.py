@@ -492,6 +492,19 @@ def test_bucket_sizes_bench_counts_new_sizes_and_freezing_stops_them(checkpoints
     assert 0 < q25 <= median <= q75 <= 1
 
 
+def test_bucket_sizes_bench_counts_the_rows_that_need_the_last_depth(checkpoints):
+    """With eps 0 no row ever stops, so every row of every step reaches depth K; with an eps no divergence reaches,
+    every row stops at its first chance and none does."""
+    def bench(eps):
+        out = subprocess.run([sys.executable, str(ROOT / "bench" / "bucket_sizes.py"), "--checkpoint",
+                              str(checkpoints[1]), "--num-envs", "32", "--warmup", "2", "--steps", "6",
+                              "--eps", str(eps)], capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+    never_stop, first_chance = bench(0), bench(1e9)
+    assert never_stop["rows_at_depth_K_min"] == 32 and never_stop["steps_with_a_row_at_depth_K"] == 1
+    assert first_chance["rows_at_depth_K_min"] == 0 and first_chance["steps_with_a_row_at_depth_K"] == 0
+
+
 def test_stress_profile_bench_splits_each_modes_step_by_kind_of_kernel(checkpoints, capsys):
     """bench/stress_profile.py on a CPU (ATen ops for kernels): with every row stopping at its first chance, compact
     mode runs fewer matmuls than full depth and masked more, the kinds add up to the device time, and the env row
