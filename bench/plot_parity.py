@@ -77,16 +77,18 @@ def main():
                                 sharey=True, squeeze=False)
     axes = axes[0]
     styles = ["-", "--", ":", "-."]
+    markers = ["o", "s", "^", "v", "D", "P"]  # with the line styles, up to 12 runs look different
     depths = cli.depths or range(1, depth + 1)
     one_depth = len(depths) == 1  # then colour tells the runs apart, not the depths
     colours = plt.cm.viridis([k / max(1, depth - 1) for k in range(depth)])
     for axis, (split, prefix) in zip(axes, panels.items()):
-        for run, ((label, records), style) in enumerate(zip(runs.items(), itertools.cycle(styles))):
+        for run, ((label, records), style, marker) in enumerate(zip(runs.items(), itertools.cycle(styles),
+                                                                    itertools.cycle(markers))):
             x = [r["global_step"] / 1e6 if cli.env_steps else r["global_step"] * cli.updates_per_step / 1000
                  for r in records]
             for k in depths:
                 labelled = one_depth or cli.depths or k in (depth - 1, depth)  # default: label the top two
-                axis.plot(x, [r[f"{prefix}{k}"] for r in records], style, marker="o",
+                axis.plot(x, [r[f"{prefix}{k}"] for r in records], style, marker=marker,
                           markersize=3, color=plt.cm.tab10(run % 10) if one_depth else colours[k - 1],
                           label=f"{label}, depth {k}" if labelled else None)
         if cli.paper:
@@ -101,7 +103,7 @@ def main():
     legend_rows = math.ceil(len(labels) / 3)
     figure.set_figheight(4 + 0.2 * legend_rows)
     figure.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
-    title = cli.title or "per-depth success, same seed and protocol (colour: depth, line style: run)"
+    title = cli.title or "per-depth success, same seed and protocol (colour: depth, line style and marker: run)"
     figure.suptitle(textwrap.fill(title, 60 * len(panels)))  # one panel: two lines, not cut off
     figure.tight_layout(rect=(0, 0.2 * legend_rows / figure.get_figheight() + 0.01, 1, 1))
     figure.savefig(cli.out, dpi=120)
