@@ -16,8 +16,11 @@ host's sync are what it adds.
 It also times the part of a step that adaptive depth cannot shorten, the action and env.step with the decisions
 held fixed ("env", replayed from its own CUDA graph as compact mode runs it). With it each adaptive mode also gets
 the policy's own speed-up, (full - env) / (mode - env), beside K / mean depth, and the whole step's ideal once the
-env's time is counted: full / (env + (full - env) * mean depth / K). Prints one JSON line. On a CPU the "kernels"
-are the ATen ops' own CPU time.
+env's time is counted: full / (env + (full - env) * mean depth / K). It times two parts of the policy over every
+row as well ("parts"): the embedding (start), which every row runs whatever its depth, and one recurrent step
+(advance), K of which make full depth; with the embedding counted as fixed too, the ideal is
+full / (env + start + (full - env - start) * mean depth / K) ("ideal_speedup_with_fixed"). Prints one JSON line. On
+a CPU the "kernels" are the ATen ops' own CPU time.
 """
 
 import argparse
@@ -108,9 +111,23 @@ def main(argv=None):
         for _ in range(args.warmup):
             stepper.run_env_step()
         env = timed_and_profiled(stepper.run_env_step)
-        del stepper
+        # the policy's parts, each over every row: the embedding (start), which every row runs whatever its depth,
+        # and one recurrent step (advance), which adaptive depth runs only for the rows still going
+        obs, goal = stepper.obs, stepper.goal
+        state = network.state_after(obs, goal, 1)
+        parts = {"start": lambda: network.start(obs, goal), "advance": lambda: network.advance(state)}
+        for name, part in parts.items():
+            if use_graph:
+                part = flexloop_run.capture_cuda_graph(part, [])
+            for _ in range(args.warmup):
+                part()
+            parts[name] = timed_and_profiled(part)
+        del stepper, state
     full = modes["full"]
     policy_full_ms = full["wall_ms_per_step"] - env["wall_ms_per_step"]
+    fixed_ms = env["wall_ms_per_step"] + parts["start"]["wall_ms_per_step"]  # what no depth saves
+    # full depth's step less its parts: the decision at depth K and whatever the K steps do not account for
+    parts["rest_of_full_ms"] = full["wall_ms_per_step"] - fixed_ms - network.depth * parts["advance"]["wall_ms_per_step"]
     for mode in args.modes:
         row = modes[mode]
         row["speedup"] = full["wall_ms_per_step"] / row["wall_ms_per_step"]
@@ -118,6 +135,8 @@ def main(argv=None):
         row["policy_speedup"] = policy_full_ms / (row["wall_ms_per_step"] - env["wall_ms_per_step"])
         row["ideal_speedup_with_env"] = full["wall_ms_per_step"] / (
             env["wall_ms_per_step"] + policy_full_ms * row["mean_depth"] / network.depth)
+        row["ideal_speedup_with_fixed"] = full["wall_ms_per_step"] / (
+            fixed_ms + (full["wall_ms_per_step"] - fixed_ms) * row["mean_depth"] / network.depth)
         # each kind's device time against full depth's: the depth-bound kinds should fall to mean depth / K
         row["ms_by_kind_over_full"] = {kind: (ms / full["ms_per_step_by_kind"][kind]
                                               if full["ms_per_step_by_kind"][kind] else None)
@@ -126,7 +145,7 @@ def main(argv=None):
                       "eps": args.eps, "num_envs": args.num_envs, "k_min": args.k_min, "compile": args.compile,
                       "cuda_graph": use_graph, "device": torch.cuda.get_device_name() if device.type == "cuda"
                       else "cpu", "steps": args.steps, "profile_steps": args.profile_steps, "modes": modes,
-                      "env": env}))
+                      "env": env, "parts": parts}))
 
 
 if __name__ == "__main__":

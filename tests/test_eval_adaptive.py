@@ -507,8 +507,8 @@ def test_bucket_sizes_bench_counts_the_rows_that_need_the_last_depth(checkpoints
 
 def test_stress_profile_bench_splits_each_modes_step_by_kind_of_kernel(checkpoints, capsys):
     """bench/stress_profile.py on a CPU (ATen ops for kernels): with every row stopping at its first chance, compact
-    mode runs fewer matmuls than full depth and masked more, the kinds add up to the device time, and the env row
-    (action and env.step alone) runs none of the policy's matmuls."""
+    mode runs fewer matmuls than full depth and masked more, the kinds add up to the device time, the env row
+    (action and env.step alone) runs none of the policy's matmuls, and the policy's parts enter the ideals."""
     sys.path.insert(0, str(ROOT / "bench"))
     import stress_profile
     stress_profile.main(["--checkpoint", str(checkpoints[1]), "--eps", "1e9", "--num-envs", "16", "--warmup", "2",
@@ -530,6 +530,13 @@ def test_stress_profile_bench_splits_each_modes_step_by_kind_of_kernel(checkpoin
     full_ms, env_ms, compact = modes["full"]["wall_ms_per_step"], env["wall_ms_per_step"], modes["compact"]
     assert compact["policy_speedup"] == pytest.approx((full_ms - env_ms) / (compact["wall_ms_per_step"] - env_ms))
     assert compact["ideal_speedup_with_env"] == pytest.approx(full_ms / (env_ms + (full_ms - env_ms) * 2 / K))
+    # the policy's parts over every row: the embedding and one recurrent step, whose GEMM is the gates' alone
+    parts = report["parts"]
+    assert parts["start"]["kernels_per_step_by_kind"]["matmul"] >= 1
+    assert parts["advance"]["kernels_per_step_by_kind"]["matmul"] == 1
+    fixed_ms = env_ms + parts["start"]["wall_ms_per_step"]
+    assert parts["rest_of_full_ms"] == pytest.approx(full_ms - fixed_ms - K * parts["advance"]["wall_ms_per_step"])
+    assert compact["ideal_speedup_with_fixed"] == pytest.approx(full_ms / (fixed_ms + (full_ms - fixed_ms) * 2 / K))
     with pytest.raises(ValueError, match="0 <= k_min < K = 5"):
         stress_profile.main(["--checkpoint", str(checkpoints[1]), "--eps", "0.1", "--k-min", "5", "--device", "cpu"])
 
