@@ -18,7 +18,8 @@ held fixed ("env", replayed from its own CUDA graph as compact mode runs it). Wi
 the policy's own speed-up, (full - env) / (mode - env), beside K / mean depth, and the whole step's ideal once the
 env's time is counted: full / (env + (full - env) * mean depth / K). It times two parts of the policy over every
 row as well ("parts"): the embedding (start), which every row runs whatever its depth, and one recurrent step
-(advance), K of which make full depth; with the embedding counted as fixed too, the ideal is
+(advance), K of which make full depth ("rest_of_full_ms": what of full depth's step neither these nor the env
+account for); with the embedding counted as fixed too, the ideal is
 full / (env + start + (full - env - start) * mean depth / K) ("ideal_speedup_with_fixed"). Prints one JSON line. On
 a CPU the "kernels" are the ATen ops' own CPU time.
 """
@@ -127,7 +128,7 @@ def main(argv=None):
     policy_full_ms = full["wall_ms_per_step"] - env["wall_ms_per_step"]
     fixed_ms = env["wall_ms_per_step"] + parts["start"]["wall_ms_per_step"]  # what no depth saves
     # full depth's step less its parts: the decision at depth K and whatever the K steps do not account for
-    parts["rest_of_full_ms"] = full["wall_ms_per_step"] - fixed_ms - network.depth * parts["advance"]["wall_ms_per_step"]
+    rest_of_full_ms = full["wall_ms_per_step"] - fixed_ms - network.depth * parts["advance"]["wall_ms_per_step"]
     for mode in args.modes:
         row = modes[mode]
         row["speedup"] = full["wall_ms_per_step"] / row["wall_ms_per_step"]
@@ -145,7 +146,7 @@ def main(argv=None):
                       "eps": args.eps, "num_envs": args.num_envs, "k_min": args.k_min, "compile": args.compile,
                       "cuda_graph": use_graph, "device": torch.cuda.get_device_name() if device.type == "cuda"
                       else "cpu", "steps": args.steps, "profile_steps": args.profile_steps, "modes": modes,
-                      "env": env, "parts": parts}))
+                      "env": env, "parts": parts, "rest_of_full_ms": rest_of_full_ms}))
 
 
 if __name__ == "__main__":

@@ -535,7 +535,7 @@ def test_stress_profile_bench_splits_each_modes_step_by_kind_of_kernel(checkpoin
     assert parts["start"]["kernels_per_step_by_kind"]["matmul"] >= 1
     assert parts["advance"]["kernels_per_step_by_kind"]["matmul"] == 1
     fixed_ms = env_ms + parts["start"]["wall_ms_per_step"]
-    assert parts["rest_of_full_ms"] == pytest.approx(full_ms - fixed_ms - K * parts["advance"]["wall_ms_per_step"])
+    assert report["rest_of_full_ms"] == pytest.approx(full_ms - fixed_ms - K * parts["advance"]["wall_ms_per_step"])
     assert compact["ideal_speedup_with_fixed"] == pytest.approx(full_ms / (fixed_ms + (full_ms - fixed_ms) * 2 / K))
     with pytest.raises(ValueError, match="0 <= k_min < K = 5"):
         stress_profile.main(["--checkpoint", str(checkpoints[1]), "--eps", "0.1", "--k-min", "5", "--device", "cpu"])
