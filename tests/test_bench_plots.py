@@ -5,7 +5,8 @@ each seed's mean depth at matched success; its figure of the same means.
 bench/plot_flexloop_length.py: the seed means of depth and success at each FlexLoop length, and a clear refusal.
 bench/runs_per_gpu.py: copies started together, their rates summed line by line against one alone; clear refusals.
 bench/iql_seeds.py: an update of N stacked GC-IQL seeds is N separate updates.
-bench/profiling.py: the matmul FLOPs of a call, forward and backward, and the rates they make of a profile."""
+bench/profiling.py: the matmul FLOPs of a call, forward and backward, and the rates they make of a profile.
+bench/split_gate.py: the IRU with its gates' LayerNorm split over its two halves is the plain one."""
 
 import importlib.util
 import json
@@ -318,3 +319,23 @@ def test_profiling_counts_matmul_flops_forward_and_backward_and_rates_them(monke
     assert profiling.matmul_flops(product_and_backward) == 2 * (2 * 64 * 32 * 16)
     rates = profiling.matmul_rates(2e12, {"us_per_call_by_kind": {"matmul": 4000.0}}, calls_per_second=50)
     assert rates == {"tflops_in_matmuls": 500.0, "tflops_over_wall": 100.0}
+
+
+@pytest.mark.parametrize("variant", ["residual", "paper"])
+def test_split_gate_network_equals_the_plain_one(monkeypatch, variant):
+    """bench/split_gate.py: the gates' LayerNorm split over its halves gives the plain IRU's Q at every depth and its
+    gradients, for all actions and at one action per row; build_network is the plain one again afterwards."""
+    import torch
+
+    import flexloop_gcdqn as gcdqn
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    split_gate = load_bench("split_gate")
+    for with_action in (False, True):
+        result = split_gate.check(torch.device("cpu"), variant, with_action)
+        assert result["q_max_abs"] > 1  # Q far from 0, so the tolerance below is relative to something
+        assert result["q_max_abs_diff"] < 1e-5 * result["q_max_abs"]
+        assert result["grad_max_rel_diff"] < 1e-5
+    args = gcdqn.Args(hidden_dim=16)
+    with split_gate.split_gate_networks():
+        assert isinstance(gcdqn.build_network(args, "cpu"), split_gate.SplitGateIRU)
+    assert type(gcdqn.build_network(args, "cpu")) is gcdqn.IRUNetwork

@@ -1,0 +1,144 @@
+"""GC-DQN's update with the gates' LayerNorm split over its two halves: the embedding's half computed once per
+forward instead of at every depth. Is it faster? Prints one JSON line per path and network, both in one run.
+
+    python bench/split_gate.py                                   # on the GPU: pretraining and FlexLoop updates
+    python bench/split_gate.py --device cpu --check-only         # the split network equals the plain one
+
+The IRU step normalises z = concat[x_emb, h] and multiplies it by the gate weights W = [W_x; W_h]. With mu and r
+the mean and 1 / std of z over its 2d features, gamma and beta the LayerNorm's affine and b the gates' bias,
+
+    gates = (LayerNorm(z) W + b) = r * (A + h (gamma_h * W_h)) - mu * r * u + v,
+    A = (x_emb * gamma_x) W_x,   u = gamma W,   v = beta W + b,
+
+and mu and r need only the sums of x_emb and x_emb^2, which do not change with depth either. So the embedding's
+half of the product (A) and of the sums is computed once, in `start`, and each depth multiplies h alone: a GEMM
+with half the inner dimension, and no concatenation copied at every depth. The parameters are the same, so a
+checkpoint loads into either network. In exact arithmetic the two are equal; in bf16 the product is taken before
+the normalisation instead of after it, which is why a script would need a learning comparison before adopting it.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flexloop_gcdqn as gcdqn  # noqa: E402
+import train_throughput  # noqa: E402
+
+LAYER_NORM_EPS = 1e-5  # F.layer_norm's default, which EnsembleLayerNorm uses
+
+
+class SplitGateIRU(gcdqn.IRUNetwork):
+    """IRUNetwork whose state carries the embedding's half of the gates instead of the embedding itself:
+    (A, sum x_emb, sum x_emb^2, c, h), with A (critics, batch, actions, 2d)."""
+
+    def start(self, obs, goal, action=None):
+        x_emb, c, h = super().start(obs, goal, action)
+        d = self.hidden_dim
+        gamma_x, w_x = self.gate_norm.weight[:, :, :d], self.gates.weight[:, :d]
+        a = torch.bmm((x_emb.flatten(1, -2) * gamma_x), w_x).view(*x_emb.shape[:-1], -1)
+        return a, x_emb.sum(-1, keepdim=True), x_emb.square().sum(-1, keepdim=True), c, h
+
+    def advance(self, state):
+        a, x_sum, x_square_sum, c, h = state
+        d = self.hidden_dim
+        carried = h if self.variant == "residual" else torch.tanh(c)
+        # the LayerNorm's statistics over concat[x_emb, carried], from the two halves' sums
+        mean = (x_sum + carried.sum(-1, keepdim=True)) / (2 * d)
+        variance = (x_square_sum + carried.square().sum(-1, keepdim=True)) / (2 * d) - mean.square()
+        inverse_std = torch.rsqrt(variance + LAYER_NORM_EPS)
+        gamma, beta = self.gate_norm.weight, self.gate_norm.bias  # (critics, 1, 2d)
+        w, bias = self.gates.weight, self.gates.bias  # (critics, 2d, 2d), (critics, 1, 2d)
+        w_h = gamma[:, 0, d:, None] * w[:, d:]  # the carried half, its LayerNorm scale folded in
+        u = torch.bmm(gamma, w)  # (critics, 1, 2d)
+        v = torch.bmm(beta, w) + bias
+        product = torch.bmm(carried.flatten(1, -2), w_h).view_as(a)
+        extra = (1,) * (a.dim() - 3)  # broadcast u and v over the batch and action dimensions
+        gates = inverse_std * (a + product) - mean * inverse_std * u.view(u.shape[0], *extra, 1, -1) \
+            + v.view(v.shape[0], *extra, 1, -1)
+        forget_logits, input_logits = gates.chunk(2, -1)
+        forget, candidate = torch.sigmoid(forget_logits), torch.tanh(input_logits)
+        c = forget * c + (1 - forget) * candidate
+        h = h + torch.tanh(c)
+        return a, x_sum, x_square_sum, c, h
+
+    def readout(self, state):
+        *_, c, h = state
+        return h if self.variant == "residual" else c
+
+
+@contextlib.contextmanager
+def split_gate_networks():
+    """gcdqn.build_network builds SplitGateIRU instead of IRUNetwork inside this block."""
+    plain = gcdqn.IRUNetwork
+    gcdqn.IRUNetwork = SplitGateIRU
+    try:
+        yield
+    finally:
+        gcdqn.IRUNetwork = plain
+
+
+def check(device, variant="residual", with_action=False, batch=64, seed=0):
+    """The largest differences between the plain and the split network (same weights, float32): Q at every depth
+    (for all actions, or at one action per row) and the gradient of a loss on them. Returns a dict."""
+    torch.manual_seed(seed)
+    plain = gcdqn.IRUNetwork(variant=variant).to(device)
+    with torch.no_grad():  # move the LayerNorm and biases off their initial values, so every term counts
+        for p in plain.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    split = SplitGateIRU(variant=variant).to(device)
+    split.load_state_dict(plain.state_dict())
+    obs = torch.randint(0, gcdqn.NUM_CODES, (batch, gcdqn.NUM_CELLS), device=device)
+    goal = torch.randint(0, gcdqn.NUM_CODES, (batch, gcdqn.NUM_CELLS), device=device)
+    action = torch.randint(0, gcdqn.NUM_ACTIONS, (batch,), device=device) if with_action else None
+    q_plain, q_split = plain.all_depths(obs, goal, action), split.all_depths(obs, goal, action)
+    q_plain.square().mean().backward()
+    q_split.square().mean().backward()
+    grad_diff = max((a.grad - b.grad).abs().max().item() / (a.grad.abs().max().item() + 1e-12)
+                    for a, b in zip(plain.parameters(), split.parameters()) if a.grad is not None)
+    return {"q_max_abs_diff": (q_plain - q_split).abs().max().item(), "q_max_abs": q_plain.abs().max().item(),
+            "grad_max_rel_diff": grad_diff}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--modes", nargs="+", default=None, help="as bench/train_throughput.py --modes")
+    parser.add_argument("--paths", nargs="+", choices=("taken", "flexloop"), default=["taken", "flexloop"],
+                        help="taken: the pretraining update (lambda 0, gradient at the taken action); flexloop: lambda 1")
+    parser.add_argument("--updates", type=int, default=500)
+    parser.add_argument("--fill-episodes", type=int, default=4)
+    parser.add_argument("--num-envs", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=1, help="measurements of each network, taking turns")
+    parser.add_argument("--check-only", action="store_true", help="compare the two networks' outputs and stop")
+    cli = parser.parse_args(argv)
+    device = torch.device(cli.device)
+    print(json.dumps({"what": "check", "device": str(device), **check(device)}), flush=True)
+    if cli.check_only:
+        return
+    torch.backends.cuda.matmul.allow_tf32 = True
+    args = dataclasses.replace(gcdqn.Args(), num_envs=cli.num_envs, batch_size=cli.batch_size)
+    modes = cli.modes or (["compile-graph"] if device.type == "cuda" else ["eager"])
+    card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    paths = {"taken": (0.0, False), "flexloop": (1.0, True)}
+    for name in cli.paths:
+        lam, all_action_gradients = paths[name]
+        for mode in modes:
+            for network in ("plain", "split") * cli.repeats:  # taking turns, so drift hits both alike
+                context = split_gate_networks() if network == "split" else contextlib.nullcontext()
+                with context:
+                    result = train_throughput.measure_updates(args, device, mode, lam, cli.updates,
+                                                              cli.fill_episodes, all_action_gradients)
+                print(json.dumps({"network": network, "path": name, **result, "device": card,
+                                  "bf16": args.bf16 and device.type == "cuda"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
