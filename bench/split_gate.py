@@ -11,10 +11,11 @@ the mean and 1 / std of z over its 2d features, gamma and beta the LayerNorm's a
     A = (x_emb * gamma_x) W_x,   u = gamma W,   v = beta W + b,
 
 and mu and r need only the sums of x_emb and x_emb^2, which do not change with depth either. So the embedding's
-half of the product (A) and of the sums is computed once, in `start`, and each depth multiplies h alone: a GEMM
-with half the inner dimension, and no concatenation copied at every depth. The parameters are the same, so a
-checkpoint loads into either network. In exact arithmetic the two are equal; in bf16 the product is taken before
-the normalisation instead of after it, which is why a script would need a learning comparison before adopting it.
+half of the product (A) and of the sums, and the folded weights (gamma_h * W_h, u, v), are computed once, in
+`start`, and each depth multiplies h alone: a GEMM with half the inner dimension, and no concatenation copied at
+every depth. The parameters are the same, so a checkpoint loads into either network. In exact arithmetic the two
+are equal; in bf16 the product is taken before the normalisation instead of after it, which is why a script would
+need a learning comparison before adopting it.
 """
 
 import argparse
@@ -36,28 +37,29 @@ LAYER_NORM_EPS = 1e-5  # F.layer_norm's default, which EnsembleLayerNorm uses
 
 class SplitGateIRU(gcdqn.IRUNetwork):
     """IRUNetwork whose state carries the embedding's half of the gates instead of the embedding itself:
-    (A, sum x_emb, sum x_emb^2, c, h), with A (critics, batch, actions, 2d)."""
+    (A, sum x_emb, sum x_emb^2, (W_h', u, v), c, h), with A (critics, batch, actions, 2d) and the folded weights
+    computed once per forward as well."""
 
     def start(self, obs, goal, action=None):
         x_emb, c, h = super().start(obs, goal, action)
         d = self.hidden_dim
-        gamma_x, w_x = self.gate_norm.weight[:, :, :d], self.gates.weight[:, :d]
-        a = torch.bmm((x_emb.flatten(1, -2) * gamma_x), w_x).view(*x_emb.shape[:-1], -1)
-        return a, x_emb.sum(-1, keepdim=True), x_emb.square().sum(-1, keepdim=True), c, h
+        gamma, beta = self.gate_norm.weight, self.gate_norm.bias  # (critics, 1, 2d)
+        w, bias = self.gates.weight, self.gates.bias  # (critics, 2d, 2d), (critics, 1, 2d)
+        a = torch.bmm(x_emb.flatten(1, -2) * gamma[..., :d], w[:, :d]).view(*x_emb.shape[:-1], -1)
+        folded = (gamma[:, 0, d:, None] * w[:, d:],  # the carried half of the weights, its LayerNorm scale folded in
+                  torch.bmm(gamma, w),  # u: what the mean subtracts, (critics, 1, 2d)
+                  torch.bmm(beta, w) + bias)  # v
+        return a, x_emb.sum(-1, keepdim=True), x_emb.square().sum(-1, keepdim=True), folded, c, h
 
     def advance(self, state):
-        a, x_sum, x_square_sum, c, h = state
+        a, x_sum, x_square_sum, folded, c, h = state
+        w_h, u, v = folded
         d = self.hidden_dim
         carried = h if self.variant == "residual" else torch.tanh(c)
         # the LayerNorm's statistics over concat[x_emb, carried], from the two halves' sums
         mean = (x_sum + carried.sum(-1, keepdim=True)) / (2 * d)
         variance = (x_square_sum + carried.square().sum(-1, keepdim=True)) / (2 * d) - mean.square()
         inverse_std = torch.rsqrt(variance + LAYER_NORM_EPS)
-        gamma, beta = self.gate_norm.weight, self.gate_norm.bias  # (critics, 1, 2d)
-        w, bias = self.gates.weight, self.gates.bias  # (critics, 2d, 2d), (critics, 1, 2d)
-        w_h = gamma[:, 0, d:, None] * w[:, d:]  # the carried half, its LayerNorm scale folded in
-        u = torch.bmm(gamma, w)  # (critics, 1, 2d)
-        v = torch.bmm(beta, w) + bias
         product = torch.bmm(carried.flatten(1, -2), w_h).view_as(a)
         extra = (1,) * (a.dim() - 3)  # broadcast u and v over the batch and action dimensions
         gates = inverse_std * (a + product) - mean * inverse_std * u.view(u.shape[0], *extra, 1, -1) \
@@ -66,7 +68,7 @@ class SplitGateIRU(gcdqn.IRUNetwork):
         forget, candidate = torch.sigmoid(forget_logits), torch.tanh(input_logits)
         c = forget * c + (1 - forget) * candidate
         h = h + torch.tanh(c)
-        return a, x_sum, x_square_sum, c, h
+        return a, x_sum, x_square_sum, folded, c, h
 
     def readout(self, state):
         *_, c, h = state
