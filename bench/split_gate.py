@@ -3,6 +3,7 @@ forward instead of at every depth. Is it faster? Prints one JSON line per path a
 
     python bench/split_gate.py                                   # on the GPU: pretraining and FlexLoop updates
     python bench/split_gate.py --device cpu --check-only         # the split network equals the plain one
+    python bench/split_gate.py --device cpu --check-only --bf16-check checkpoints/<run>/final.pt   # and in bf16
 
 The IRU step normalises z = concat[x_emb, h] and multiplies it by the gate weights W = [W_x; W_h]. With mu and r
 the mean and 1 / std of z over its 2d features, gamma and beta the LayerNorm's affine and b the gates' bias,
@@ -29,7 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import envs  # noqa: E402
 import flexloop_gcdqn as gcdqn  # noqa: E402
+import flexloop_run  # noqa: E402
 import train_throughput  # noqa: E402
 
 LAYER_NORM_EPS = 1e-5  # F.layer_norm's default, which EnsembleLayerNorm uses
@@ -108,6 +111,36 @@ def check(device, variant="residual", with_action=False, batch=64, seed=0):
             "grad_max_rel_diff": grad_diff}
 
 
+def bf16_errors(checkpoint_path, num_states=512, steps=20, seed=0):
+    """How far each network's Q under bf16 autocast (on the CPU) lies from the plain network's float32 Q, on a
+    trained checkpoint and states reached by `steps` random actions from the env's start: the mean and largest
+    absolute difference, and the share of states whose greedy action (of the critics' mean) matches float32's,
+    per depth. Returns a dict."""
+    _, checkpoint = flexloop_run.load_any_checkpoint(checkpoint_path)
+    plain, args = gcdqn.network_from_checkpoint(checkpoint)
+    split = SplitGateIRU(depth=plain.depth, hidden_dim=plain.hidden_dim, num_critics=plain.num_critics,
+                         variant=plain.variant, policy_temperature=plain.policy_temperature,
+                         obs_encoding=plain.obs_encoding)
+    split.load_state_dict(plain.state_dict())
+    env = envs.make_vec(checkpoint["env_id"], num_states, device="cpu", seed=seed, check_actions=False).unwrapped
+    generator = torch.Generator().manual_seed(seed)
+    obs, _ = env.reset()
+    for _ in range(steps):
+        obs, *_ = env.step(torch.randint(0, gcdqn.NUM_ACTIONS, (num_states,), generator=generator))
+    observation, goal = obs["observation"], obs["desired_goal"]
+    with torch.no_grad():
+        reference = plain.all_depths(observation, goal)  # (K, critics, batch, actions)
+        greedy = reference.mean(1).argmax(-1)
+        result = {"q_max_abs": reference.abs().max().item()}
+        for name, network in (("plain", plain), ("split", split)):
+            with torch.autocast("cpu", torch.bfloat16):
+                q = network.all_depths(observation, goal).float()
+            difference = (q - reference).abs()
+            result[name] = {"mean_abs_diff": difference.mean().item(), "max_abs_diff": difference.max().item(),
+                            "greedy_agreement_per_depth": (q.mean(1).argmax(-1) == greedy).float().mean(-1).tolist()}
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -120,9 +153,13 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=1, help="measurements of each network, taking turns")
     parser.add_argument("--check-only", action="store_true", help="compare the two networks' outputs and stop")
+    parser.add_argument("--bf16-check", metavar="CHECKPOINT",
+                        help="also compare both networks' bf16 Q with float32's on this gcdqn checkpoint (CPU)")
     cli = parser.parse_args(argv)
     device = torch.device(cli.device)
     print(json.dumps({"what": "check", "device": str(device), **check(device)}), flush=True)
+    if cli.bf16_check:
+        print(json.dumps({"what": "bf16", "checkpoint": cli.bf16_check, **bf16_errors(cli.bf16_check)}), flush=True)
     if cli.check_only:
         return
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -6,7 +6,7 @@ bench/plot_flexloop_length.py: the seed means of depth and success at each FlexL
 bench/runs_per_gpu.py: copies started together, their rates summed line by line against one alone; clear refusals.
 bench/iql_seeds.py: an update of N stacked GC-IQL seeds is N separate updates.
 bench/profiling.py: the matmul FLOPs of a call, forward and backward, and the rates they make of a profile.
-bench/split_gate.py: the IRU with its gates' LayerNorm split over its two halves is the plain one."""
+bench/split_gate.py: the IRU with its gates' LayerNorm split over its two halves is the plain one, and its bf16 check."""
 
 import importlib.util
 import json
@@ -339,3 +339,17 @@ def test_split_gate_network_equals_the_plain_one(monkeypatch, variant):
     with split_gate.split_gate_networks():
         assert isinstance(gcdqn.build_network(args, "cpu"), split_gate.SplitGateIRU)
     assert type(gcdqn.build_network(args, "cpu")) is gcdqn.IRUNetwork
+
+
+def test_split_gate_bf16_check_compares_both_networks_with_float32(monkeypatch):
+    """bench/split_gate.py --bf16-check on the committed Exact-4 FlexLoop: under bf16 autocast both networks' Q stay
+    close to float32's, and their greedy actions agree with it at every depth in most states."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    split_gate = load_bench("split_gate")
+    result = split_gate.bf16_errors(ROOT / "checkpoints/BoxPick-Exact-4-v0__ref__1__1795763631/final.pt",
+                                    num_states=64, steps=5)
+    assert result["q_max_abs"] > 10  # a trained critic's Q, not a fresh one's
+    for name in ("plain", "split"):
+        assert 0 < result[name]["mean_abs_diff"] < 0.01 * result["q_max_abs"]  # bf16 differs, but a little
+        assert len(result[name]["greedy_agreement_per_depth"]) == 5
+        assert min(result[name]["greedy_agreement_per_depth"]) >= 0.85
