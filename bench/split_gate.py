@@ -1,7 +1,8 @@
-"""GC-DQN's update with the gates' LayerNorm split over its two halves: the embedding's half computed once per
-forward instead of at every depth. Is it faster? Prints one JSON line per path and network, both in one run.
+"""GC-DQN's and GC-IQL's updates with the gates' LayerNorm split over its two halves: the embedding's half computed
+once per forward instead of at every depth. Is it faster? Prints one JSON line per path and network, in one run.
 
-    python bench/split_gate.py                                   # on the GPU: pretraining and FlexLoop updates
+    python bench/split_gate.py                                   # on the GPU: GC-DQN's pretraining and FlexLoop updates
+    python bench/split_gate.py --script gciql                    # GC-IQL's (TF32; --bf16 for bf16)
     python bench/split_gate.py --device cpu --check-only         # the split network equals the plain one
     python bench/split_gate.py --device cpu --check-only --bf16-check checkpoints/<run>/final.pt   # and in bf16
 
@@ -32,31 +33,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import envs  # noqa: E402
 import flexloop_gcdqn as gcdqn  # noqa: E402
+import flexloop_gciql as gciql  # noqa: E402
 import flexloop_run  # noqa: E402
+import iql_throughput  # noqa: E402
 import train_throughput  # noqa: E402
 
 LAYER_NORM_EPS = 1e-5  # F.layer_norm's default, which EnsembleLayerNorm uses
 
 
-class SplitGateIRU(gcdqn.IRUNetwork):
-    """IRUNetwork whose state carries the embedding's half of the gates instead of the embedding itself:
-    (A, sum x_emb, sum x_emb^2, (W_h', u, v), c, h), with A (critics, batch, actions, 2d) and the folded weights
-    computed once per forward as well."""
+class SplitGate:
+    """Mixed into an IRU whose `start` returns (x_emb, c, h): the state carries the embedding's half of the gates
+    instead of the embedding itself, (A, sum x_emb, sum x_emb^2, W_h', u, v, c, h), with A (..., 2d) and the
+    folded weights computed once per forward as well (flat, so that GC-IQL's actor can stack states)."""
 
-    def start(self, obs, goal, action=None):
-        x_emb, c, h = super().start(obs, goal, action)
+    def start(self, *inputs, **options):
+        x_emb, c, h = super().start(*inputs, **options)
         d = self.hidden_dim
-        gamma, beta = self.gate_norm.weight, self.gate_norm.bias  # (critics, 1, 2d)
-        w, bias = self.gates.weight, self.gates.bias  # (critics, 2d, 2d), (critics, 1, 2d)
+        gamma, beta = self.gate_norm.weight, self.gate_norm.bias  # (members, 1, 2d)
+        w, bias = self.gates.weight, self.gates.bias  # (members, 2d, 2d), (members, 1, 2d)
         a = torch.bmm(x_emb.flatten(1, -2) * gamma[..., :d], w[:, :d]).view(*x_emb.shape[:-1], -1)
-        folded = (gamma[:, 0, d:, None] * w[:, d:],  # the carried half of the weights, its LayerNorm scale folded in
-                  torch.bmm(gamma, w),  # u: what the mean subtracts, (critics, 1, 2d)
-                  torch.bmm(beta, w) + bias)  # v
-        return a, x_emb.sum(-1, keepdim=True), x_emb.square().sum(-1, keepdim=True), folded, c, h
+        w_h = gamma[:, 0, d:, None] * w[:, d:]  # the carried half of the weights, its LayerNorm scale folded in
+        u = torch.bmm(gamma, w)  # what the mean subtracts, (members, 1, 2d)
+        v = torch.bmm(beta, w) + bias
+        return a, x_emb.sum(-1, keepdim=True), x_emb.square().sum(-1, keepdim=True), w_h, u, v, c, h
 
     def advance(self, state):
-        a, x_sum, x_square_sum, folded, c, h = state
-        w_h, u, v = folded
+        a, x_sum, x_square_sum, w_h, u, v, c, h = state
         d = self.hidden_dim
         carried = h if self.variant == "residual" else torch.tanh(c)
         # the LayerNorm's statistics over concat[x_emb, carried], from the two halves' sums
@@ -64,29 +66,38 @@ class SplitGateIRU(gcdqn.IRUNetwork):
         variance = (x_square_sum + carried.square().sum(-1, keepdim=True)) / (2 * d) - mean.square()
         inverse_std = torch.rsqrt(variance + LAYER_NORM_EPS)
         product = torch.bmm(carried.flatten(1, -2), w_h).view_as(a)
-        extra = (1,) * (a.dim() - 3)  # broadcast u and v over the batch and action dimensions
+        extra = (1,) * (a.dim() - 3)  # broadcast u and v over the rows' dimensions (GC-DQN: batch and actions)
         gates = inverse_std * (a + product) - mean * inverse_std * u.view(u.shape[0], *extra, 1, -1) \
             + v.view(v.shape[0], *extra, 1, -1)
         forget_logits, input_logits = gates.chunk(2, -1)
         forget, candidate = torch.sigmoid(forget_logits), torch.tanh(input_logits)
         c = forget * c + (1 - forget) * candidate
         h = h + torch.tanh(c)
-        return a, x_sum, x_square_sum, folded, c, h
+        return a, x_sum, x_square_sum, w_h, u, v, c, h
 
     def readout(self, state):
         *_, c, h = state
         return h if self.variant == "residual" else c
 
 
+class SplitGateIRU(SplitGate, gcdqn.IRUNetwork):
+    """GC-DQN's IRU network, split."""
+
+
+class SplitGateIQL(SplitGate, gciql.IRU):
+    """GC-IQL's IRU (value, critic and actor), split."""
+
+
 @contextlib.contextmanager
-def split_gate_networks():
-    """gcdqn.build_network builds SplitGateIRU instead of IRUNetwork inside this block."""
-    plain = gcdqn.IRUNetwork
-    gcdqn.IRUNetwork = SplitGateIRU
+def split_gate_networks(module=gcdqn):
+    """The script's networks are built split inside this block (GC-DQN's IRUNetwork, GC-IQL's IRU)."""
+    name, split = ("IRUNetwork", SplitGateIRU) if module is gcdqn else ("IRU", SplitGateIQL)
+    plain = getattr(module, name)
+    setattr(module, name, split)
     try:
         yield
     finally:
-        gcdqn.IRUNetwork = plain
+        setattr(module, name, plain)
 
 
 def check(device, variant="residual", with_action=False, batch=64, seed=0):
@@ -141,42 +152,92 @@ def bf16_errors(checkpoint_path, num_states=512, steps=20, seed=0):
     return result
 
 
+def check_iql(device, variant="residual", rows=64, seed=0):
+    """As `check`, for GC-IQL's IRU (two members, a plain input): the output at every depth and its gradients."""
+    torch.manual_seed(seed)
+    plain = gciql.IRU(in_dim=12, out_dim=3, variant=variant, members=2).to(device)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    split = SplitGateIQL(in_dim=12, out_dim=3, variant=variant, members=2).to(device)
+    split.load_state_dict(plain.state_dict())
+    x = torch.randn(rows, 12, device=device)
+    outputs = []
+    for network in (plain, split):
+        state, per_depth = network.start(x), []
+        for _ in range(network.depth):
+            state = network.advance(state)
+            per_depth.append(network.output(state))
+        out = torch.stack(per_depth)
+        out.square().mean().backward()
+        outputs.append(out)
+    grad_diff = max((a.grad - b.grad).abs().max().item() / (a.grad.abs().max().item() + 1e-12)
+                    for a, b in zip(plain.parameters(), split.parameters()) if a.grad is not None)
+    return {"out_max_abs_diff": (outputs[0] - outputs[1]).abs().max().item(),
+            "out_max_abs": outputs[0].abs().max().item(), "grad_max_rel_diff": grad_diff}
+
+
+def measure_gcdqn(cli, device):
+    args = dataclasses.replace(gcdqn.Args(), num_envs=cli.num_envs, batch_size=cli.batch_size)
+    modes = cli.modes or (["compile-graph"] if device.type == "cuda" else ["eager"])
+    paths = {"taken": (0.0, False), "flexloop": (1.0, True)}  # pretraining's update, FlexLoop's
+    for name in cli.paths:
+        lam, all_action_gradients = paths[name]
+        for mode in modes:
+            for network in ("plain", "split") * cli.repeats:  # taking turns, so drift hits both alike
+                with split_gate_networks(gcdqn) if network == "split" else contextlib.nullcontext():
+                    result = train_throughput.measure_updates(args, device, mode, lam, cli.updates,
+                                                              cli.fill_episodes, all_action_gradients)
+                yield {"network": network, "path": name, **result, "bf16": args.bf16 and device.type == "cuda"}
+
+
+def measure_gciql(cli, device):
+    args = gciql.resolve_dataset_defaults(dataclasses.replace(gciql.Args(), env_name=cli.env_name,
+                                                              batch_size=cli.batch_size, bf16=cli.bf16))
+    dataset = iql_throughput.synthetic_dataset(args.env_name, cli.states, 1001, device)
+    modes = cli.modes or (["compile-streams-graph"] if device.type == "cuda" else ["eager"])
+    paths = {"taken": 0.0, "flexloop": args.lambda_depth}  # pretraining's update, FlexLoop's
+    for name in cli.paths:
+        for mode in modes:
+            for network in ("plain", "split") * cli.repeats:
+                with split_gate_networks(gciql) if network == "split" else contextlib.nullcontext():
+                    result = iql_throughput.measure_updates(args, dataset, device, mode, paths[name], cli.updates)
+                yield {"network": network, "path": name, **result, "env_name": args.env_name,
+                       "bf16": args.bf16 and device.type == "cuda"}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--script", choices=("gcdqn", "gciql"), default="gcdqn")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--modes", nargs="+", default=None, help="as bench/train_throughput.py --modes")
+    parser.add_argument("--modes", nargs="+", default=None,
+                        help="as bench/train_throughput.py --modes (gcdqn) or bench/iql_throughput.py --modes (gciql)")
     parser.add_argument("--paths", nargs="+", choices=("taken", "flexloop"), default=["taken", "flexloop"],
-                        help="taken: the pretraining update (lambda 0, gradient at the taken action); flexloop: lambda 1")
+                        help="taken: the pretraining update (lambda 0; GC-DQN: gradient at the taken action); "
+                             "flexloop: the FlexLoop update")
     parser.add_argument("--updates", type=int, default=500)
-    parser.add_argument("--fill-episodes", type=int, default=4)
-    parser.add_argument("--num-envs", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=1, help="measurements of each network, taking turns")
+    parser.add_argument("--fill-episodes", type=int, default=4, help="gcdqn: replay episodes collected first")
+    parser.add_argument("--num-envs", type=int, default=1024, help="gcdqn: envs collecting the replay")
+    parser.add_argument("--env-name", default="cube-double-play-v0", help="gciql: the dataset whose shapes to use")
+    parser.add_argument("--states", type=int, default=1_000_000, help="gciql: states in the synthetic dataset")
+    parser.add_argument("--bf16", action="store_true", help="gciql: the updates under bf16 (gcdqn: its default)")
     parser.add_argument("--check-only", action="store_true", help="compare the two networks' outputs and stop")
     parser.add_argument("--bf16-check", metavar="CHECKPOINT",
                         help="also compare both networks' bf16 Q with float32's on this gcdqn checkpoint (CPU)")
     cli = parser.parse_args(argv)
     device = torch.device(cli.device)
-    print(json.dumps({"what": "check", "device": str(device), **check(device)}), flush=True)
+    print(json.dumps({"what": "check", "device": str(device), "gcdqn": check(device),
+                      "gciql": check_iql(device)}), flush=True)
     if cli.bf16_check:
         print(json.dumps({"what": "bf16", "checkpoint": cli.bf16_check, **bf16_errors(cli.bf16_check)}), flush=True)
     if cli.check_only:
         return
     torch.backends.cuda.matmul.allow_tf32 = True
-    args = dataclasses.replace(gcdqn.Args(), num_envs=cli.num_envs, batch_size=cli.batch_size)
-    modes = cli.modes or (["compile-graph"] if device.type == "cuda" else ["eager"])
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    paths = {"taken": (0.0, False), "flexloop": (1.0, True)}
-    for name in cli.paths:
-        lam, all_action_gradients = paths[name]
-        for mode in modes:
-            for network in ("plain", "split") * cli.repeats:  # taking turns, so drift hits both alike
-                context = split_gate_networks() if network == "split" else contextlib.nullcontext()
-                with context:
-                    result = train_throughput.measure_updates(args, device, mode, lam, cli.updates,
-                                                              cli.fill_episodes, all_action_gradients)
-                print(json.dumps({"network": network, "path": name, **result, "device": card,
-                                  "bf16": args.bf16 and device.type == "cuda"}), flush=True)
+    for result in (measure_gcdqn if cli.script == "gcdqn" else measure_gciql)(cli, device):
+        print(json.dumps({**result, "device": card}), flush=True)
 
 
 if __name__ == "__main__":

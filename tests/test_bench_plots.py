@@ -324,7 +324,8 @@ def test_profiling_counts_matmul_flops_forward_and_backward_and_rates_them(monke
 @pytest.mark.parametrize("variant", ["residual", "paper"])
 def test_split_gate_network_equals_the_plain_one(monkeypatch, variant):
     """bench/split_gate.py: the gates' LayerNorm split over its halves gives the plain IRU's Q at every depth and its
-    gradients, for all actions and at one action per row; build_network is the plain one again afterwards."""
+    gradients, for all actions and at one action per row, and GC-IQL's IRU outputs and gradients; the scripts build
+    their plain networks again afterwards."""
     import torch
 
     import flexloop_gcdqn as gcdqn
@@ -335,10 +336,17 @@ def test_split_gate_network_equals_the_plain_one(monkeypatch, variant):
         assert result["q_max_abs"] > 1  # Q far from 0, so the tolerance below is relative to something
         assert result["q_max_abs_diff"] < 1e-5 * result["q_max_abs"]
         assert result["grad_max_rel_diff"] < 1e-5
+    iql = split_gate.check_iql(torch.device("cpu"), variant)  # GC-IQL's IRU: no action dimension, two members
+    assert iql["out_max_abs"] > 1 and iql["out_max_abs_diff"] < 1e-5 * iql["out_max_abs"]
+    assert iql["grad_max_rel_diff"] < 1e-5
     args = gcdqn.Args(hidden_dim=16)
-    with split_gate.split_gate_networks():
+    with split_gate.split_gate_networks(gcdqn):
         assert isinstance(gcdqn.build_network(args, "cpu"), split_gate.SplitGateIRU)
     assert type(gcdqn.build_network(args, "cpu")) is gcdqn.IRUNetwork
+    import flexloop_gciql as gciql
+    with split_gate.split_gate_networks(gciql):
+        assert isinstance(gciql.recurrent_network("iru", 4, 2, 5, 16, variant), split_gate.SplitGateIQL)
+    assert type(gciql.recurrent_network("iru", 4, 2, 5, 16, variant)) is gciql.IRU
 
 
 def test_split_gate_bf16_check_compares_both_networks_with_float32(monkeypatch):
