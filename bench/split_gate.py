@@ -124,11 +124,11 @@ def check(device, variant="residual", with_action=False, batch=64, seed=0):
 
 def bf16_errors(checkpoint_path, num_states=512, steps=20, seed=0):
     """How far each network's Q under bf16 autocast (on the CPU) lies from the plain network's float32 Q, on a
-    trained checkpoint and states reached by `steps` random actions from the env's start: the mean and largest
-    absolute difference, and the share of states whose greedy action (of the critics' mean) matches float32's,
-    per depth. Returns a dict."""
+    trained IRU checkpoint of GC-DQN and states reached by `steps` random actions from the env's start: the mean and
+    largest absolute difference, and the share of states whose greedy action (of the critics' mean) matches
+    float32's, per depth. Returns a dict."""
     _, checkpoint = flexloop_run.load_any_checkpoint(checkpoint_path)
-    plain, args = gcdqn.network_from_checkpoint(checkpoint)
+    plain, _ = gcdqn.network_from_checkpoint(checkpoint)
     split = SplitGateIRU(depth=plain.depth, hidden_dim=plain.hidden_dim, num_critics=plain.num_critics,
                          variant=plain.variant, policy_temperature=plain.policy_temperature,
                          obs_encoding=plain.obs_encoding)

@@ -6,7 +6,7 @@ bench/plot_flexloop_length.py: the seed means of depth and success at each FlexL
 bench/runs_per_gpu.py: copies started together, their rates summed line by line against one alone; clear refusals.
 bench/iql_seeds.py: an update of N stacked GC-IQL seeds is N separate updates.
 bench/profiling.py: the matmul FLOPs of a call, forward and backward, and the rates they make of a profile.
-bench/split_gate.py: the IRU with its gates' LayerNorm split over its two halves is the plain one, and its bf16 check."""
+bench/split_gate.py: the IRU with its gates' LayerNorm split over its two halves is the plain one; its bf16 check."""
 
 import importlib.util
 import json
