@@ -102,7 +102,8 @@ def main():
     handles, labels = axes[-1].get_legend_handles_labels()
     legend_rows = math.ceil(len(labels) / 3)
     figure.set_figheight(4 + 0.2 * legend_rows)
-    figure.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False)
+    figure.legend(handles, labels, loc="lower center", ncol=3, fontsize=7, frameon=False, handlelength=4,
+                  markerscale=1.8)  # long handles and large markers: line style and marker tell the runs apart
     title = cli.title or "per-depth success, same seed and protocol (colour: depth, line style and marker: run)"
     figure.suptitle(textwrap.fill(title, 60 * len(panels)))  # one panel: two lines, not cut off
     figure.tight_layout(rect=(0, 0.2 * legend_rows / figure.get_figheight() + 0.01, 1, 1))

@@ -100,14 +100,25 @@ def split_gate_networks(module=gcdqn):
         setattr(module, name, plain)
 
 
+def perturb(network):
+    """Move every parameter (the LayerNorm's and the biases too) off its initial value, so every term counts."""
+    with torch.no_grad():
+        for p in network.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+
+
+def largest_relative_grad_difference(plain, split):
+    """max over parameters of |grad_plain - grad_split| / max |grad_plain|."""
+    return max((a.grad - b.grad).abs().max().item() / (a.grad.abs().max().item() + 1e-12)
+               for a, b in zip(plain.parameters(), split.parameters()) if a.grad is not None)
+
+
 def check(device, variant="residual", with_action=False, batch=64, seed=0):
     """The largest differences between the plain and the split network (same weights, float32): Q at every depth
     (for all actions, or at one action per row) and the gradient of a loss on them. Returns a dict."""
     torch.manual_seed(seed)
     plain = gcdqn.IRUNetwork(variant=variant).to(device)
-    with torch.no_grad():  # move the LayerNorm and biases off their initial values, so every term counts
-        for p in plain.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    perturb(plain)
     split = SplitGateIRU(variant=variant).to(device)
     split.load_state_dict(plain.state_dict())
     obs = torch.randint(0, gcdqn.NUM_CODES, (batch, gcdqn.NUM_CELLS), device=device)
@@ -116,10 +127,8 @@ def check(device, variant="residual", with_action=False, batch=64, seed=0):
     q_plain, q_split = plain.all_depths(obs, goal, action), split.all_depths(obs, goal, action)
     q_plain.square().mean().backward()
     q_split.square().mean().backward()
-    grad_diff = max((a.grad - b.grad).abs().max().item() / (a.grad.abs().max().item() + 1e-12)
-                    for a, b in zip(plain.parameters(), split.parameters()) if a.grad is not None)
     return {"q_max_abs_diff": (q_plain - q_split).abs().max().item(), "q_max_abs": q_plain.abs().max().item(),
-            "grad_max_rel_diff": grad_diff}
+            "grad_max_rel_diff": largest_relative_grad_difference(plain, split)}
 
 
 def bf16_errors(checkpoint_path, num_states=512, steps=20, seed=0):
@@ -156,9 +165,7 @@ def check_iql(device, variant="residual", rows=64, seed=0):
     """As `check`, for GC-IQL's IRU (two members, a plain input): the output at every depth and its gradients."""
     torch.manual_seed(seed)
     plain = gciql.IRU(in_dim=12, out_dim=3, variant=variant, members=2).to(device)
-    with torch.no_grad():
-        for p in plain.parameters():
-            p.add_(0.1 * torch.randn_like(p))
+    perturb(plain)
     split = SplitGateIQL(in_dim=12, out_dim=3, variant=variant, members=2).to(device)
     split.load_state_dict(plain.state_dict())
     x = torch.randn(rows, 12, device=device)
@@ -171,10 +178,9 @@ def check_iql(device, variant="residual", rows=64, seed=0):
         out = torch.stack(per_depth)
         out.square().mean().backward()
         outputs.append(out)
-    grad_diff = max((a.grad - b.grad).abs().max().item() / (a.grad.abs().max().item() + 1e-12)
-                    for a, b in zip(plain.parameters(), split.parameters()) if a.grad is not None)
     return {"out_max_abs_diff": (outputs[0] - outputs[1]).abs().max().item(),
-            "out_max_abs": outputs[0].abs().max().item(), "grad_max_rel_diff": grad_diff}
+            "out_max_abs": outputs[0].abs().max().item(),
+            "grad_max_rel_diff": largest_relative_grad_difference(plain, split)}
 
 
 def measure_gcdqn(cli, device):
