@@ -1,5 +1,6 @@
 """GC-DQN's and GC-IQL's updates with the gates' LayerNorm split over its two halves: the embedding's half computed
 once per forward instead of at every depth. Is it faster? Prints one JSON line per path and network, in one run.
+(On a CPU, yes; on an H100 no, 0.72x in pretraining and 0.92x in FlexLoop: docs/benchmarks.md.)
 
     python bench/split_gate.py                                   # on the GPU: GC-DQN's pretraining and FlexLoop updates
     python bench/split_gate.py --script gciql                    # GC-IQL's (TF32; --bf16 for bf16)
