@@ -451,6 +451,9 @@ class OGBenchAdapter:
         self.async_envs = args.eval_async and getattr(train_args, "eval_async", True)
         self.seed = args.seed
         self.vector_env = None
+        # the env workers take every core; a policy on a CPU acting for ~50 rows gains nothing from more torch
+        # threads, which compete with the workers (docs/benchmarks.md: 1.1-1.3x faster on 2 cores with one)
+        self.policy_threads = 1 if self.async_envs and torch.device(device).type == "cpu" else None
 
     def eps_grid(self):
         return EPS_GRIDS[f"ogbench-{self.spec.family}"]
@@ -478,9 +481,14 @@ class OGBenchAdapter:
             return self.network.act(decision)
 
         task_id = self.groups.index(group) + 1
-        success = self.module.rollout(policy_fn, self.vector_env, task_ids=(task_id,),
-                                      episodes=episodes or self.episodes, num_policies=P,
-                                      seed=self.seed + 1000 * task_id + first_episode)  # (P, 1, episodes)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.policy_threads or threads)
+        try:
+            success = self.module.rollout(policy_fn, self.vector_env, task_ids=(task_id,),
+                                          episodes=episodes or self.episodes, num_policies=P,
+                                          seed=self.seed + 1000 * task_id + first_episode)  # (P, 1, episodes)
+        finally:
+            torch.set_num_threads(threads)
         success = torch.as_tensor(np.asarray(success), dtype=torch.float32).view(P, -1)
         return [{"success": s, "depth_counts": c, "trace": None}
                 for s, c in zip(success.mean(1).tolist(), counts.view(P, K).tolist())], first_row_depths, success

@@ -307,6 +307,47 @@ def test_ogbench_env_count_is_the_runs_unless_given():
         assert adapter.num_envs == expected
 
 
+def test_ogbench_policy_runs_on_one_cpu_thread_while_workers_step_the_envs():
+    """With the envs in worker processes and the policy on a CPU, the policy's torch threads would compete with
+    the workers for the cores: the episodes run with one torch thread, and the caller's count comes back after."""
+    threads_seen = []
+
+    class FakeScript:
+        @staticmethod
+        def make_eval_vector_env(env_name, num_envs, async_envs):
+            return None
+
+        @staticmethod
+        def rollout(policy_fn, vector_env, task_ids, episodes, num_policies, seed):
+            threads_seen.append(torch.get_num_threads())
+            return np.ones((num_policies, 1, episodes))
+
+    class FakeNetwork:
+        depth = 2
+
+    def choice(obs, goal, policy_index):
+        return torch.zeros(len(obs), 2), torch.full((len(obs),), 2)
+    choice.num_policies = 1
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        train_args = type("TrainArgs", (), {"eval_episodes": 3, "eval_envs": 4, "eval_async": True})()
+        for flags, expected in (([], 1), (["--no-eval-async"], 2)):
+            args = tyro.cli(ea.Args, args=["--checkpoints", "x.pt", *flags])
+            adapter = ea.OGBenchAdapter(FakeScript, FakeNetwork(), train_args, "pointmaze-large-stitch-v0", args,
+                                        torch.device("cpu"))
+            adapter.rollout("task1", choice)
+            assert threads_seen[-1] == expected, flags
+            assert torch.get_num_threads() == 2
+        # a policy on a GPU leaves the CPU threads alone
+        args = tyro.cli(ea.Args, args=["--checkpoints", "x.pt"])
+        gpu = ea.OGBenchAdapter(FakeScript, FakeNetwork(), train_args, "pointmaze-large-stitch-v0", args, "cuda")
+        assert gpu.policy_threads is None
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_ogbench_trace_follows_the_first_successful_episode_of_a_task():
     """The paper's Figure 6 shows successful episodes: the trace tries the task's episodes in seed order until one
     succeeds (else shows the last tried), each run alone, so row 0's depths are that episode's."""
