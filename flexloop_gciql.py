@@ -739,8 +739,16 @@ def evaluate(actor, vector_env, episodes, device, seed=0, progress=False):
     eval/success_depth_<k>."""
     was_training = actor.training
     actor.eval()
-    success = rollout(depth_policy_fn(actor, device), vector_env, TASK_IDS, episodes, actor.depth, seed, progress)
-    actor.train(was_training)
+    # the env workers take every core; a policy on a CPU acting for ~50 rows gains nothing from more torch threads,
+    # which compete with the workers (docs/benchmarks.md: 1.1-1.3x faster on 2 cores with one)
+    threads = torch.get_num_threads()
+    if isinstance(vector_env, EvalWorkers) and torch.device(device).type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        success = rollout(depth_policy_fn(actor, device), vector_env, TASK_IDS, episodes, actor.depth, seed, progress)
+    finally:
+        torch.set_num_threads(threads)
+        actor.train(was_training)
     results = {}
     for k in range(1, actor.depth + 1):
         for t, task_id in enumerate(TASK_IDS):
