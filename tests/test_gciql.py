@@ -666,6 +666,20 @@ def test_checkpoint_loads_in_a_fresh_process(smoke_run):
     np.testing.assert_allclose(policies, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_policy_step_bench_times_the_protocols_policies_per_row_count(smoke_run):
+    """bench/ogbench_policy_step.py: one JSON line per thread count and row count, for the protocol's K fixed
+    depths and 11 thresholds, with the time a row consistent with the time a call."""
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "ogbench_policy_step.py"), "--checkpoint",
+                             str(smoke_run / "final.pt"), "--rows", "3", "7", "--threads", "1", "--seconds", "0.05"],
+                            cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(line["rows"], line["threads"]) for line in lines] == [(3, 1), (7, 1)]
+    for line in lines:
+        assert line["policies"] == 2 + 11 and line["env_id"] == PM and line["calls"] > 0
+        assert line["us_per_row"] == pytest.approx(line["ms_per_call"] * 1e3 / line["rows"], rel=0.01, abs=0.01)
+
+
 def test_resume_from_pretrained_checkpoint_continues_the_run(smoke_run, tmp_path):
     # pretrained.pt is a full checkpoint at update 6: resuming from a copy re-runs the FlexLoop phase
     run_copy = tmp_path / smoke_run.name
