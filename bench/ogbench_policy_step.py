@@ -54,8 +54,8 @@ for threads in args.threads:
         policy_index = torch.randint(len(policies), (rows,), generator=generator).to(device)
 
         def call():
-            decision, depth = choice(obs, goal, policy_index)
-            return network.act(decision).cpu(), depth.cpu()  # the envs take numpy actions: one sync a call
+            decision, _ = choice(obs, goal, policy_index)  # the depths stay on the device, as eval_adaptive keeps them
+            return network.act(decision).cpu()  # the envs take numpy actions: one sync a call
 
         for _ in range(5):
             call()
