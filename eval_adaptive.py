@@ -120,8 +120,9 @@ class EvaluationArgs:
     unless it ran them in one process; --no-eval-async runs them in this process. The episodes are the same
     either way (docs/benchmarks.md)"""
     ogbench_envs: Optional[int] = None
-    """OGBench: MuJoCo envs stepped side by side, the policy acting on all of them in one batch (default: the
-    checkpoint's run's --eval-envs, 50). More envs make fewer, larger policy calls; the episodes are the same"""
+    """OGBench: MuJoCo envs stepped side by side, the policy acting on all of them in one batch (default: on a GPU
+    every episode of a task, on a CPU the checkpoint's run's --eval-envs, 50). More envs make fewer, larger policy
+    calls; the episodes are the same"""
 
 
 @dataclass
@@ -447,13 +448,13 @@ class OGBenchAdapter:
         self.module, self.network, self.env_id, self.device = module, network, env_id, device
         self.spec = get_spec(env_id)
         self.episodes = args.num_eval_envs or getattr(train_args, "eval_episodes", 50)
-        self.num_envs = args.ogbench_envs or getattr(train_args, "eval_envs", 50)
+        # a policy call costs about the same from 50 to 800 rows on a GPU but by the row on a CPU
+        # (docs/benchmarks.md), so a GPU steps every episode of a task side by side, a CPU the run's envs
+        on_gpu = torch.device(device).type == "cuda"
+        self.num_envs = args.ogbench_envs or (None if on_gpu else getattr(train_args, "eval_envs", 50))
         self.async_envs = args.eval_async and getattr(train_args, "eval_async", True)
         self.seed = args.seed
         self.vector_env = None
-        # the env workers take every core; a policy on a CPU acting for ~50 rows gains nothing from more torch
-        # threads, which compete with the workers (docs/benchmarks.md: 1.1-1.3x faster on 2 cores with one)
-        self.policy_threads = 1 if self.async_envs and torch.device(device).type == "cpu" else None
 
     def eps_grid(self):
         return EPS_GRIDS[f"ogbench-{self.spec.family}"]
@@ -465,9 +466,10 @@ class OGBenchAdapter:
     def rollout(self, group, choice, episodes=None, first_episode=0):
         """Per-policy results, the depths of row 0 at every step, and the success array (P, episodes). The
         episodes are the task's episodes first_episode, first_episode + 1, ... (each its own seed)."""
-        if self.vector_env is None:
-            self.vector_env = self.module.make_eval_vector_env(self.env_id, self.num_envs, self.async_envs)
         P, K = choice.num_policies, self.network.depth
+        if self.vector_env is None:
+            self.num_envs = self.num_envs or self.episodes * P
+            self.vector_env = self.module.make_eval_vector_env(self.env_id, self.num_envs, self.async_envs)
         counts = torch.zeros(P * K, device=self.device)
         first_row_depths = []
 
@@ -481,14 +483,9 @@ class OGBenchAdapter:
             return self.network.act(decision)
 
         task_id = self.groups.index(group) + 1
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.policy_threads or threads)
-        try:
-            success = self.module.rollout(policy_fn, self.vector_env, task_ids=(task_id,),
-                                          episodes=episodes or self.episodes, num_policies=P,
-                                          seed=self.seed + 1000 * task_id + first_episode)  # (P, 1, episodes)
-        finally:
-            torch.set_num_threads(threads)
+        success = self.module.rollout(policy_fn, self.vector_env, task_ids=(task_id,),
+                                      episodes=episodes or self.episodes, num_policies=P,
+                                      seed=self.seed + 1000 * task_id + first_episode)  # (P, 1, episodes)
         success = torch.as_tensor(np.asarray(success), dtype=torch.float32).view(P, -1)
         return [{"success": s, "depth_counts": c, "trace": None}
                 for s, c in zip(success.mean(1).tolist(), counts.view(P, K).tolist())], first_row_depths, success

@@ -688,6 +688,19 @@ def rollout(policy_fn, vector_env, task_ids=TASK_IDS, episodes=50, num_policies=
 
     Returns success as an array (num_policies, len(task_ids), episodes).
     """
+    # worker processes step the envs on every core, and a policy's torch threads on a CPU would compete with them
+    # (docs/benchmarks.md: one thread is faster on 2 cores and on 16); a policy on a GPU needs no more than one
+    threads = torch.get_num_threads()
+    if isinstance(vector_env, EvalWorkers):
+        torch.set_num_threads(1)
+    try:
+        return run_episodes(policy_fn, vector_env, task_ids, episodes, num_policies, seed, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_episodes(policy_fn, vector_env, task_ids, episodes, num_policies, seed, progress):
+    """rollout's episode loop (rollout sets the torch threads around it)."""
     jobs = [(p, t, e) for p in range(num_policies) for t in range(len(task_ids)) for e in range(episodes)]
     num_envs = vector_env.num_envs
     obs_dim = vector_env.single_observation_space.shape[0]
@@ -739,15 +752,9 @@ def evaluate(actor, vector_env, episodes, device, seed=0, progress=False):
     eval/success_depth_<k>."""
     was_training = actor.training
     actor.eval()
-    # the env workers take every core; a policy on a CPU acting for ~50 rows gains nothing from more torch threads,
-    # which compete with the workers (docs/benchmarks.md: 1.1-1.3x faster on 2 cores with one)
-    threads = torch.get_num_threads()
-    if isinstance(vector_env, EvalWorkers) and torch.device(device).type == "cpu":
-        torch.set_num_threads(1)
     try:
         success = rollout(depth_policy_fn(actor, device), vector_env, TASK_IDS, episodes, actor.depth, seed, progress)
     finally:
-        torch.set_num_threads(threads)
         actor.train(was_training)
     results = {}
     for k in range(1, actor.depth + 1):

@@ -298,54 +298,40 @@ def test_ogbench_envs_step_as_the_run_did_unless_told_to_use_one_process():
             assert adapter.async_envs is expected
 
 
-def test_ogbench_env_count_is_the_runs_unless_given():
+def test_ogbench_env_count_is_the_runs_on_a_cpu_and_every_episode_of_a_task_on_a_gpu():
+    """On a CPU a policy call costs by the row, so the envs are the run's; on a GPU a call costs about the same at
+    any batch, so every episode of a task (episodes x policies) runs side by side; --ogbench-envs overrides both."""
     import flexloop_gciql as gciql
-    train_args = gciql.Args(env_name="pointmaze-large-stitch-v0", eval_envs=30)
-    for flags, expected in (([], 30), (["--ogbench-envs", "100"], 100)):
-        args = tyro.cli(ea.Args, args=["--checkpoints", "x.pt", *flags])
-        adapter = ea.OGBenchAdapter(gciql, None, train_args, "pointmaze-large-stitch-v0", args, "cpu")
-        assert adapter.num_envs == expected
+    envs_made = []
 
-
-def test_ogbench_policy_runs_on_one_cpu_thread_while_workers_step_the_envs():
-    """With the envs in worker processes and the policy on a CPU, the policy's torch threads would compete with
-    the workers for the cores: the episodes run with one torch thread, and the caller's count comes back after."""
-    threads_seen = []
-
-    class FakeScript:
+    class CountingScript:
         @staticmethod
         def make_eval_vector_env(env_name, num_envs, async_envs):
-            return None
+            envs_made.append(num_envs)
+            return object()
 
         @staticmethod
         def rollout(policy_fn, vector_env, task_ids, episodes, num_policies, seed):
-            threads_seen.append(torch.get_num_threads())
             return np.ones((num_policies, 1, episodes))
 
-    class FakeNetwork:
+    class TwoDepthNetwork:
         depth = 2
 
     def choice(obs, goal, policy_index):
-        return torch.zeros(len(obs), 2), torch.full((len(obs),), 2)
-    choice.num_policies = 1
+        raise AssertionError("the fake rollout steps no env")
+    choice.num_policies = 3
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        train_args = type("TrainArgs", (), {"eval_episodes": 3, "eval_envs": 4, "eval_async": True})()
-        for flags, expected in (([], 1), (["--no-eval-async"], 2)):
-            args = tyro.cli(ea.Args, args=["--checkpoints", "x.pt", *flags])
-            adapter = ea.OGBenchAdapter(FakeScript, FakeNetwork(), train_args, "pointmaze-large-stitch-v0", args,
-                                        torch.device("cpu"))
-            adapter.rollout("task1", choice)
-            assert threads_seen[-1] == expected, flags
-            assert torch.get_num_threads() == 2
-        # a policy on a GPU leaves the CPU threads alone
-        args = tyro.cli(ea.Args, args=["--checkpoints", "x.pt"])
-        gpu = ea.OGBenchAdapter(FakeScript, FakeNetwork(), train_args, "pointmaze-large-stitch-v0", args, "cuda")
-        assert gpu.policy_threads is None
-    finally:
-        torch.set_num_threads(before)
+    train_args = gciql.Args(env_name="pointmaze-large-stitch-v0", eval_envs=30, eval_episodes=7)
+    for device, flags, expected in (("cpu", [], 30), ("cpu", ["--ogbench-envs", "100"], 100),
+                                    ("cuda", [], 7 * 3), ("cuda", ["--ogbench-envs", "100"], 100)):
+        args = tyro.cli(ea.Args, args=["--checkpoints", "x.pt", *flags])
+        adapter = ea.OGBenchAdapter(CountingScript, TwoDepthNetwork(), train_args, "pointmaze-large-stitch-v0",
+                                    args, device)
+        adapter.device = "cpu"  # the count is chosen for the device above; the fake episodes need no GPU
+        adapter.rollout("task1", choice)
+        adapter.rollout("task2", choice, episodes=1)  # a later call, a trace's one episode, keeps the envs
+        assert envs_made == [expected] and adapter.num_envs == expected, (device, flags)
+        envs_made.clear()
 
 
 def test_ogbench_trace_follows_the_first_successful_episode_of_a_task():

@@ -408,25 +408,23 @@ def test_eval_workers_refuse_empty_sizes_close_twice_and_raise_a_workers_error()
         EvalWorkers("no-such-env-v0", 2, workers=2)  # a worker's error comes back with its traceback
 
 
-def test_evaluation_on_a_cpu_acts_on_one_torch_thread_while_workers_step_the_envs(monkeypatch):
-    """With the envs in worker processes and the policy on a CPU, the policy's torch threads would compete with
-    the workers for the cores: evaluate() runs the episodes with one thread and gives the caller's count back."""
+def test_policy_acts_on_one_torch_thread_while_workers_step_the_envs():
+    """With the envs in worker processes, the policy's torch threads would compete with the workers for the cores:
+    rollout calls the policy on one thread and gives the caller's count back; in this process it leaves it alone."""
+    oracle, _ = pointmaze_oracle()
     threads_seen = []
 
-    def counting_rollout(policy_fn, vector_env, task_ids, episodes, num_policies, seed, progress):
+    def counting_policy(obs, goal, policy_index):
         threads_seen.append(torch.get_num_threads())
-        return np.ones((num_policies, len(task_ids), episodes))
+        return oracle(obs, goal, policy_index)
 
-    monkeypatch.setattr(gciql, "rollout", counting_rollout)
-    actor = gciql.IRUActor(obs_dim=3, action_dim=2, depth=2, hidden_dim=8)
-    workers, in_process = object.__new__(EvalWorkers), object.__new__(EvalEnvs)  # the type is all evaluate reads
     torch.set_num_threads(2)  # the module's fixture restores the count it found
-    for vector_env, device, expected in ((workers, "cpu", 1), (in_process, "cpu", 2), (workers, "cuda", 2)):
-        results = gciql.evaluate(actor, vector_env, episodes=3, device=torch.device(device))
-        assert threads_seen[-1] == expected, (type(vector_env).__name__, device)
+    for vector_env, expected in ((EvalWorkers(PM, 2, workers=2), 1), (EvalEnvs(PM, 2), 2)):
+        gciql.rollout(counting_policy, vector_env, task_ids=(1,), episodes=1, num_policies=1, seed=0)
+        vector_env.close()
+        assert set(threads_seen) == {expected}, type(vector_env).__name__
         assert torch.get_num_threads() == 2
-        assert results["eval/success_depth_2"] == 1.0
-    assert actor.training  # the actor's mode comes back too
+        threads_seen.clear()
 
 
 def test_rollout_reuses_envs_for_waiting_episodes_in_subprocesses():
