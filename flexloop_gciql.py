@@ -833,8 +833,8 @@ def train(args: Args):
             run.save_due()
         if run.stop.reason is None:
             run.log_background_evaluation(wait=True)  # logged before final.pt holds the metrics
-        if eval_env is not None:
-            eval_env.close()
+    if eval_env is not None:  # here, not in the block, which a stop can leave in the middle of an evaluation
+        eval_env.close()
     return run.finish()  # final.pt, or latest.pt after a stop
 
 

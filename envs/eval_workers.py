@@ -17,6 +17,7 @@ episode is the same in any process and whichever env runs it.
 """
 
 import multiprocessing
+import signal
 import sys
 import traceback
 
@@ -70,6 +71,11 @@ class EvalEnvs:
 def _serve(connection, env_name, count):
     """A worker: `count` evaluation envs (EvalEnvs), reset and stepped on command. Every reply is (error, result):
     a failure goes back as its traceback, for the parent to raise."""
+    # a forked worker starts with the parent's signal handlers: a training run's would keep it alive through
+    # SIGTERM and so keep the parent waiting for it at exit. The parent stops its workers: Ctrl-C is for the parent
+    # alone, and SIGTERM ends a worker at once (it holds nothing worth saving)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     envs = None
     try:
         envs = EvalEnvs(env_name, count)
@@ -85,7 +91,7 @@ def _serve(connection, env_name, count):
                 connection.send((None, (obs, reward, terminated, truncated, info["success"])))
             else:  # "close"
                 break
-    except (EOFError, KeyboardInterrupt):  # the parent is gone or stopping: nothing to answer
+    except EOFError:  # the parent is gone: nothing to answer
         pass
     except Exception:  # noqa: BLE001  (any failure goes back to the parent, which raises it)
         connection.send((traceback.format_exc(), None))

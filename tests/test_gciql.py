@@ -544,6 +544,48 @@ def test_a_stop_during_a_background_evaluation_saves_latest_without_waiting_for_
     assert not any("eval/success_depth_1" in r for r in read_metrics(run_dir))
 
 
+def test_a_stop_during_an_evaluation_saves_latest_and_closes_the_eval_envs(data_dir, tmp_path, monkeypatch):
+    """SIGTERM in the middle of a (blocking) evaluation drops it, writes latest.pt and still closes the eval envs:
+    worker processes left open would keep the process from exiting."""
+    closed = []
+
+    class RecordingEnvs:
+        def close(self):
+            closed.append(True)
+
+    def stopped_while_evaluating(actor, vector_env, episodes, device, seed=0):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    monkeypatch.setattr(gciql, "make_eval_vector_env", lambda *args: RecordingEnvs())
+    monkeypatch.setattr(gciql, "evaluate", stopped_while_evaluating)
+    start = time.perf_counter()
+    run_dir = Path(gciql.train(tiny_args(data_dir, tmp_path, eval_every=4)))
+    assert time.perf_counter() - start < 20
+    assert (run_dir / "latest.pt").exists() and not (run_dir / "final.pt").exists()
+    assert closed == [True]
+
+
+def test_eval_workers_die_on_sigterm_and_leave_ctrl_c_to_the_parent():
+    """A forked worker does not keep a training run's signal handlers: SIGTERM ends it (the parent's exit waits
+    for its workers), and Ctrl-C, which a terminal sends to every process of the group, is the parent's to act on."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as a training run's StopSignals does
+    envs = EvalWorkers(PM, 2, workers=2)
+    try:
+        first, second = envs.processes
+        os.kill(second.pid, signal.SIGINT)
+        os.kill(first.pid, signal.SIGTERM)
+        first.join(timeout=10)
+        assert not first.is_alive() and first.exitcode == -signal.SIGTERM
+        time.sleep(0.5)
+        assert second.is_alive()  # and still answers
+        envs.connections[1].send(("reset", (np.array([0]), np.array([True]), np.array([1]))))
+        error, (obs, goal) = envs.connections[1].recv()
+        assert error is None and obs.shape == (1, envs.single_observation_space.shape[0])
+    finally:
+        envs.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA run's background evaluation")
 def test_a_cuda_runs_background_evaluation_acts_on_a_cpu_copy(data_dir, tmp_path, monkeypatch):
     """On a GPU the copy acts on the CPU: the thread never waits for the updates queued on the GPU."""
