@@ -492,12 +492,13 @@ class OGBenchAdapter:
 
     def trace(self, group, choice):
         """The task's first successful episode among its first TRACE_TRIES (the paper's Figure 6 shows successful
-        episodes), else the last one tried. Each runs alone (the only running row of the vector env), so row 0 is
-        that episode at every step."""
-        for episode in range(TRACE_TRIES):
-            _, depths, success = self.rollout(group, choice, episodes=1, first_episode=episode)
-            if success[0, 0] > 0:
-                break
+        episodes), else the last of them. The tries run side by side (a failing try runs to the time limit), then
+        the chosen episode runs again alone, the only running row of the vector env, so row 0 is that episode at
+        every step."""
+        _, _, tries = self.rollout(group, choice, episodes=TRACE_TRIES)
+        succeeded = torch.nonzero(tries[0] > 0).flatten().tolist()
+        episode = succeeded[0] if succeeded else TRACE_TRIES - 1
+        _, depths, success = self.rollout(group, choice, episodes=1, first_episode=episode)
         return {"depths": torch.stack(depths).tolist(), "episode_success": success[0, 0].item(), "episode": episode}
 
     def close(self):

@@ -335,21 +335,22 @@ def test_ogbench_env_count_is_the_runs_on_a_cpu_and_every_episode_of_a_task_on_a
 
 
 def test_ogbench_trace_follows_the_first_successful_episode_of_a_task():
-    """The paper's Figure 6 shows successful episodes: the trace tries the task's episodes in seed order until one
-    succeeds (else shows the last tried), each run alone, so row 0's depths are that episode's."""
+    """The paper's Figure 6 shows successful episodes: the trace runs the task's first TRACE_TRIES episodes side
+    by side, then the first that succeeded (else the last) again alone, so row 0's depths are that episode's."""
     calls = []
 
     class FakeScript:  # the two functions eval_adaptive.py calls on flexloop_gciql.py
         @staticmethod
         def make_eval_vector_env(env_name, num_envs, async_envs):
-            return None
+            return object()
 
         @staticmethod
         def rollout(policy_fn, vector_env, task_ids, episodes, num_policies, seed):
             calls.append((task_ids, episodes, seed))
-            for step in range(len(calls)):  # the n-th episode tried runs n steps
+            first = seed - (7 + 1000 * task_ids[0])
+            for step in range(3 + first):  # episode e runs 3 + e steps
                 policy_fn(np.zeros((1, 2)), np.zeros((1, 2)), np.zeros(1))
-            return np.full((num_policies, 1, episodes), float(outcomes[len(calls) - 1]))
+            return np.array(outcomes[first:first + episodes], float).reshape(num_policies, 1, episodes)
 
     class FakeNetwork:
         depth = 3
@@ -366,15 +367,16 @@ def test_ogbench_trace_follows_the_first_successful_episode_of_a_task():
     train_args = type("TrainArgs", (), {"eval_episodes": 50, "eval_envs": 4, "eval_async": False})()
     adapter = ea.OGBenchAdapter(FakeScript, FakeNetwork(), train_args, "pointmaze-large-stitch-v0", args, "cpu")
     adapter.groups = ["task1", "task2"]
-    outcomes = [0, 0, 1, 0]
+    outcomes = [0, 0, 1, 0, 1] + [0] * (ea.TRACE_TRIES - 5)
     trace = adapter.trace("task2", choice)
-    assert trace == {"depths": [2, 2, 2], "episode_success": 1.0, "episode": 2}
-    assert calls == [((2,), 1, 7 + 2000 + episode) for episode in range(3)]  # one episode each, the next seed
+    assert trace == {"depths": [2] * 5, "episode_success": 1.0, "episode": 2}  # episode 2 alone: 5 steps
+    assert calls == [((2,), ea.TRACE_TRIES, 7 + 2000), ((2,), 1, 7 + 2000 + 2)]  # the tries, then episode 2 alone
     calls.clear()
     outcomes = [0] * ea.TRACE_TRIES
     trace = adapter.trace("task1", choice)
     assert trace["episode_success"] == 0.0 and trace["episode"] == ea.TRACE_TRIES - 1
-    assert len(calls) == ea.TRACE_TRIES and len(trace["depths"]) == ea.TRACE_TRIES
+    assert calls[1] == ((1,), 1, 7 + 1000 + ea.TRACE_TRIES - 1)
+    assert len(trace["depths"]) == 3 + ea.TRACE_TRIES - 1
 
 # ----- bad inputs -----
 
