@@ -121,8 +121,8 @@ class EvaluationArgs:
     either way (docs/benchmarks.md)"""
     ogbench_envs: Optional[int] = None
     """OGBench: MuJoCo envs stepped side by side, the policy acting on all of them in one batch (default: on a GPU
-    every episode of a task, on a CPU the checkpoint's run's --eval-envs, 50). More envs make fewer, larger policy
-    calls; the episodes are the same"""
+    every episode of a task for the maze datasets, whose envs are small; otherwise the checkpoint's run's
+    --eval-envs, 50). More envs make fewer, larger policy calls; the episodes are the same"""
 
 
 @dataclass
@@ -439,7 +439,7 @@ class OGBenchAdapter:
     groups = ("task1", "task2", "task3", "task4", "task5")
 
     def __init__(self, module, network, train_args, env_id, args, device):
-        from envs.ogbench_data import get_spec
+        from envs.ogbench_data import envs_are_small, get_spec
         for name in ("rollout", "make_eval_vector_env"):
             if not hasattr(module, name):
                 raise AttributeError(f"{module.__name__}.py has no `{name}`; eval_adaptive.py runs OGBench episodes "
@@ -448,10 +448,11 @@ class OGBenchAdapter:
         self.module, self.network, self.env_id, self.device = module, network, env_id, device
         self.spec = get_spec(env_id)
         self.episodes = args.num_eval_envs or getattr(train_args, "eval_episodes", 50)
-        # a policy call costs about the same from 50 to 800 rows on a GPU but by the row on a CPU
-        # (docs/benchmarks.md), so a GPU steps every episode of a task side by side, a CPU the run's envs
-        on_gpu = torch.device(device).type == "cuda"
-        self.num_envs = args.ogbench_envs or (None if on_gpu else getattr(train_args, "eval_envs", 50))
+        # a policy call costs about the same from 50 to 800 rows on a GPU but by the row on a CPU, and a
+        # manipulation env takes about 160 MB (docs/benchmarks.md): a GPU steps every episode of a task side by side
+        # where the envs are small, otherwise the run's envs
+        all_at_once = torch.device(device).type == "cuda" and envs_are_small(env_id)
+        self.num_envs = args.ogbench_envs or (None if all_at_once else getattr(train_args, "eval_envs", None) or 50)
         self.async_envs = args.eval_async and getattr(train_args, "eval_async", True)
         self.seed = args.seed
         self.vector_env = None

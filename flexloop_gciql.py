@@ -141,8 +141,10 @@ class EvaluationArgs:
     eval_episodes: int = 50
     """episodes per task and depth (0: no evaluation during training, e.g. on a machine without MuJoCo;
     evaluate the checkpoints later with eval_adaptive.py)"""
-    eval_envs: int = 50
-    """OGBench envs stepped side by side during evaluation; the policy acts on all of them in one batch"""
+    eval_envs: Optional[int] = None
+    """OGBench envs stepped side by side during evaluation; the policy acts on all of them in one batch (default:
+    with the actor on a GPU, every episode of an evaluation at once for the maze datasets, whose envs are small;
+    otherwise 50, a background evaluation's CPU copy included)"""
     eval_async: bool = True
     """step the evaluation envs in worker processes, one per usable core, each stepping its share of the envs per
     message (envs/eval_workers.py); False: all in this process"""
@@ -207,9 +209,10 @@ def resolve_dataset_defaults(args: Args):
 FLEXLOOP_SCRIPT = "flexloop-script-v1"  # marks a FlexLoop script: eval_adaptive.py imports no other file
 ENV_FLAG = "env_name"  # the flag naming the env: run names, checkpoints and --init-checkpoint checks read it
 # cuda_streams changes speed, not the weights (tests/test_gciql.py): a resumed run takes it from the command line.
-# Evaluation draws from no training generator, so a resumed run may also evaluate less often or on fewer episodes.
+# Evaluation draws from no training generator, so a resumed run may also evaluate less often, on fewer episodes or
+# on more envs side by side (the same episodes).
 RESUME_FLAGS = ("resume", "cuda", "require_cuda", "save_every_minutes", "debug", "dataset_dir", "dataset_path",
-                "cuda_streams", "eval_every", "eval_episodes", "eval_in_background")
+                "cuda_streams", "eval_every", "eval_episodes", "eval_envs", "eval_in_background")
 ALGORITHM = "gciql"
 NETWORK_FLAGS = ("depth", "hidden_dim", "num_critics", "iru_variant", "backbone")  # an --init-checkpoint must match
 CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in a checkpoint
@@ -233,7 +236,7 @@ def check_args(args: Args):
     if args.env_name not in ENV_IDS:
         raise ValueError(f"--env-name {args.env_name!r} is not a dataset of {ALGORITHM}; choose one of {list(ENV_IDS)}")
     for name in POSITIVE_FLAGS:
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.alpha is not None and args.alpha < 0:
         raise ValueError(f"--alpha must be >= 0, got {args.alpha}")
@@ -654,6 +657,18 @@ def load_dataset(args, device):
 # Collection and per-depth evaluation
 # ---------------------------------------------------------------------------------------------------------
 # Offline: no collection. Evaluation runs OGBench's 5 tasks, episodes side by side in a batch of envs.
+def eval_env_count(args, device):
+    """--eval-envs, else every episode of an evaluation (episodes x tasks x depths) for an actor on a GPU where the
+    envs are small, 50 otherwise (docs/benchmarks.md: a GPU call costs about the same from 50 to 800 rows, a CPU
+    call by the row, and a manipulation env takes about 160 MB)."""
+    if args.eval_envs is not None:
+        return args.eval_envs
+    actor_on_gpu = device.type == "cuda" and not args.eval_in_background  # a background evaluation acts on a CPU
+    if actor_on_gpu and ogbench_data.envs_are_small(args.env_name):
+        return args.eval_episodes * len(TASK_IDS) * args.depth
+    return 50
+
+
 def make_eval_vector_env(env_name, num_envs, async_envs=True):
     """num_envs OGBench evaluation envs (envs/eval_workers.py). async_envs: stepped in batches by one worker
     process per usable core, the same episodes as in this process. Episodes never auto-reset: `rollout` resets
@@ -823,7 +838,8 @@ def train(args: Args):
                 run.log({"charts/lambda_depth": lam})
             run.log_background_evaluation()
             if args.eval_episodes > 0 and run.evaluate_due():
-                eval_env = eval_env or make_eval_vector_env(args.env_name, args.eval_envs, args.eval_async)
+                eval_env = eval_env or make_eval_vector_env(args.env_name, eval_env_count(args, device),
+                                                            args.eval_async)
                 if args.eval_in_background:  # a CPU copy: its steps never wait behind the updates queued on a GPU
                     actor = copy.deepcopy(network.actor).requires_grad_(False).cpu()
                     run.evaluate_in_background(evaluate, actor, eval_env, args.eval_episodes, torch.device("cpu"),

@@ -75,6 +75,12 @@ def get_spec(env_name):
     return DATASETS[env_name]
 
 
+def envs_are_small(env_name):
+    """Whether every episode of an evaluation fits side by side: a navigation env takes about 2 MB, a
+    manipulation env about 160 MB (docs/benchmarks.md), so 800 of those would not fit a 128 GB machine."""
+    return get_spec(env_name).family == "navigation"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Goal-conditioned sampling on the device
 # ---------------------------------------------------------------------------------------------------------------

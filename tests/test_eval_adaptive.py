@@ -300,7 +300,8 @@ def test_ogbench_envs_step_as_the_run_did_unless_told_to_use_one_process():
 
 def test_ogbench_env_count_is_the_runs_on_a_cpu_and_every_episode_of_a_task_on_a_gpu():
     """On a CPU a policy call costs by the row, so the envs are the run's; on a GPU a call costs about the same at
-    any batch, so every episode of a task (episodes x policies) runs side by side; --ogbench-envs overrides both."""
+    any batch, so every episode of a task (episodes x policies) runs side by side where the envs are small (not
+    manipulation's, about 160 MB each); --ogbench-envs overrides all."""
     import flexloop_gciql as gciql
     envs_made = []
 
@@ -322,15 +323,16 @@ def test_ogbench_env_count_is_the_runs_on_a_cpu_and_every_episode_of_a_task_on_a
     choice.num_policies = 3
 
     train_args = gciql.Args(env_name="pointmaze-large-stitch-v0", eval_envs=30, eval_episodes=7)
-    for device, flags, expected in (("cpu", [], 30), ("cpu", ["--ogbench-envs", "100"], 100),
-                                    ("cuda", [], 7 * 3), ("cuda", ["--ogbench-envs", "100"], 100)):
+    maze, cube, given = "pointmaze-large-stitch-v0", "cube-double-play-v0", ["--ogbench-envs", "100"]
+    for env_id, device, flags, expected in ((maze, "cpu", [], 30), (maze, "cpu", given, 100),
+                                            (maze, "cuda", [], 7 * 3), (maze, "cuda", given, 100),
+                                            (cube, "cuda", [], 30), (cube, "cuda", given, 100)):
         args = tyro.cli(ea.Args, args=["--checkpoints", "x.pt", *flags])
-        adapter = ea.OGBenchAdapter(CountingScript, TwoDepthNetwork(), train_args, "pointmaze-large-stitch-v0",
-                                    args, device)
+        adapter = ea.OGBenchAdapter(CountingScript, TwoDepthNetwork(), train_args, env_id, args, device)
         adapter.device = "cpu"  # the count is chosen for the device above; the fake episodes need no GPU
         adapter.rollout("task1", choice)
         adapter.rollout("task2", choice, episodes=1)  # a later call, a trace's one episode, keeps the envs
-        assert envs_made == [expected] and adapter.num_envs == expected, (device, flags)
+        assert envs_made == [expected] and adapter.num_envs == expected, (env_id, device, flags)
         envs_made.clear()
 
 

@@ -427,6 +427,28 @@ def test_policy_acts_on_one_torch_thread_while_workers_step_the_envs():
         threads_seen.clear()
 
 
+def test_evaluation_env_count_is_every_episode_on_a_gpu_where_envs_are_small_and_50_otherwise():
+    """A GPU call costs about the same from 50 to 800 rows, a CPU call by the row, and a manipulation env takes
+    about 160 MB: by default an actor on a GPU steps every episode of a maze evaluation at once (episodes x 5 tasks x
+    depths); one on a CPU (a background evaluation's copy included), or manipulation envs, 50; --eval-envs sets the
+    count anywhere."""
+    args = gciql.Args(env_name=PM, depth=5, eval_episodes=50)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert args.eval_envs is None
+    assert gciql.eval_env_count(args, cuda) == 50 * 5 * 5
+    assert gciql.eval_env_count(replace(args, env_name="antmaze-medium-stitch-v0"), cuda) == 50 * 5 * 5
+    assert gciql.eval_env_count(replace(args, eval_episodes=2, depth=3), cuda) == 2 * 5 * 3
+    assert gciql.eval_env_count(args, cpu) == 50
+    assert gciql.eval_env_count(replace(args, eval_in_background=True), cuda) == 50
+    for manipulation in ("cube-double-play-v0", "scene-play-v0", "puzzle-4x4-play-v0"):
+        assert gciql.eval_env_count(replace(args, env_name=manipulation), cuda) == 50
+    for device in (cpu, cuda):
+        assert gciql.eval_env_count(replace(args, eval_envs=7), device) == 7
+    gciql.check_args(args)  # the default passes the positive-flags check
+    with pytest.raises(ValueError, match="--eval-envs must be positive"):
+        gciql.check_args(replace(args, eval_envs=0))
+
+
 def test_rollout_reuses_envs_for_waiting_episodes_in_subprocesses():
     policy_fn, _ = pointmaze_oracle()
     vector_env = gciql.make_eval_vector_env(PM, 3, async_envs=True)  # fewer envs than episodes

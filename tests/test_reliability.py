@@ -542,10 +542,12 @@ def test_a_resumed_gciql_run_takes_cuda_streams_and_its_evaluation_flags_from_th
     given = module.Args(resume="latest.pt", cuda_streams=False)
     assert flexloop_run.resumed_args(module, checkpoint, given).cuda_streams is False
     # evaluation is not training: how often and on how many episodes may change too, where given
-    checkpoint["args"].update(eval_every=100_000, eval_episodes=50)
+    checkpoint["args"].update(eval_every=100_000, eval_episodes=50, eval_envs=50)
     given = module.Args(resume="latest.pt", eval_every=250_000)
     args = flexloop_run.resumed_args(module, checkpoint, given)
-    assert (args.eval_every, args.eval_episodes) == (250_000, 50)
+    assert (args.eval_every, args.eval_episodes, args.eval_envs) == (250_000, 50, 50)
+    given = module.Args(resume="latest.pt", eval_envs=1250)  # the same episodes, more of them side by side
+    assert flexloop_run.resumed_args(module, checkpoint, given).eval_envs == 1250
 
 
 def test_random_streams_saved_on_another_kind_of_device_restart_from_a_seed(capsys):
