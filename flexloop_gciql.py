@@ -784,6 +784,15 @@ def format_eval(results, args, iteration):
     return f"update {iteration} success by depth 1..{args.depth} (mean over tasks): {values}"
 
 
+def initial_target_critic(network, init=None):
+    """The target critic a run starts from: an --init-checkpoint's own when it holds one (a run's full checkpoint),
+    else a copy of the critic as loaded (a slim checkpoint, `flexloop_run.py slim`, holds no target)."""
+    target_critic = copy.deepcopy(network.critic).requires_grad_(False)
+    if init is not None and init.get("target_model") is not None:
+        target_critic.load_state_dict(init["target_model"])
+    return target_critic
+
+
 def train(args: Args):
     # The flags checked (a resumed run's own), checkpoints read, the device picked, seeds set: flexloop_run.py
     run = flexloop_run.Run(sys.modules[__name__], args)
@@ -798,9 +807,7 @@ def train(args: Args):
     lambda_depth = torch.zeros((), device=device)  # a tensor, so one captured graph serves both phases
     loss_sums = torch.zeros(len(LOSS_NAMES), device=device)  # summed on the device between logs
     generators = {"sample": torch.Generator(device).manual_seed(args.seed)}
-    target_critic = copy.deepcopy(network.critic).requires_grad_(False)
-    if run.init is not None:
-        target_critic.load_state_dict(run.init["target_model"])
+    target_critic = initial_target_critic(network, run.init)
     on_cuda = device.type == "cuda"
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=on_cuda, fused=on_cuda)
     if args.cuda_streams and on_cuda:

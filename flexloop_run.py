@@ -277,8 +277,8 @@ def load_checkpoint(path, algorithm=None):
 def slim_checkpoint(source, destination):
     """Copy a checkpoint with the network's weights alone, to share or commit it: the optimiser, the target network
     and any frozen helper network (pretrained_model, teacher_model) are left out, the run's flags, step counts, RNG
-    state and last metrics kept. Evaluation and --init-checkpoint read it as they read the full one; --resume does
-    not take it. Returns the parts left out that held something."""
+    state and last metrics kept. Evaluation and --init-checkpoint read it as they read the full one (GC-IQL's target
+    critic then starts from the critic); --resume does not take it. Returns the parts left out that held something."""
     source, destination = Path(source), Path(destination)
     if destination.exists():
         if destination.resolve() == source.resolve():

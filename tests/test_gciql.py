@@ -771,6 +771,25 @@ def test_init_checkpoint_runs_flexloop_only_and_checks_shapes(smoke_run, data_di
         gciql.train(tiny_args(data_dir, tmp_path, depth=3, init_checkpoint=str(smoke_run / "pretrained.pt")))
 
 
+def test_init_checkpoint_takes_a_slim_checkpoint_and_its_target_critic_from_a_full_one(smoke_run, data_dir,
+                                                                                       tmp_path):
+    full_path, slim_path = smoke_run / "pretrained.pt", tmp_path / "slim" / "pretrained.pt"
+    assert "target_model" in flexloop_run.slim_checkpoint(full_path, slim_path)
+    full, slim = flexloop_run.load_checkpoint(full_path), flexloop_run.load_checkpoint(slim_path)
+    network = gciql.build_network(gciql.Args(**full["args"]), torch.device("cpu"))
+    network.load_state_dict(full["model"])
+    critic = network.critic.state_dict()
+    assert any(not torch.equal(full["target_model"][name], critic[name]) for name in critic)  # they differ
+    from_full = gciql.initial_target_critic(network, full).state_dict()
+    from_slim = gciql.initial_target_critic(network, slim).state_dict()
+    for name in from_full:  # the run's own target from a full checkpoint, the loaded critic from a slim one
+        torch.testing.assert_close(from_full[name], full["target_model"][name])
+        torch.testing.assert_close(from_slim[name], critic[name])
+    run_dir = gciql.train(tiny_args(data_dir, tmp_path / "runs", init_checkpoint=str(slim_path)))
+    records = [r for r in read_metrics(run_dir) if "losses/critic_loss" in r]
+    assert [(r["global_step"], r["phase"]) for r in records] == [(3, "flexloop"), (6, "flexloop")]
+
+
 @pytest.mark.slow
 def test_iru_pretrain_gciql_subcommand(data_dir, tmp_path):
     command = [sys.executable, "iru_pretrain.py", "gciql", "--env-name", PM, "--dataset-dir", str(data_dir),
