@@ -705,7 +705,7 @@ def rollout(policy_fn, vector_env, task_ids=TASK_IDS, episodes=50, num_policies=
     """
     # worker processes step the envs on every core, and a policy's torch threads on a CPU would compete with them
     # (docs/benchmarks.md: one thread is faster on 2 cores and on 16); a policy on a GPU uses the CPU only to copy
-    # tensors, so it gets one too (not yet timed against more in one run: docs/benchmarks.md)
+    # tensors, so it gets one too (as fast as 16 threads there: docs/benchmarks.md)
     threads = torch.get_num_threads()
     if isinstance(vector_env, EvalWorkers):
         torch.set_num_threads(1)
