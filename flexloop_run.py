@@ -723,9 +723,17 @@ class Run:
         now = time.perf_counter()
         if self.first_tick is None and self.progress.n > self.progress.initial:
             self.first_tick = (now, self.progress.n)
-        elif self.first_tick is not None and not self.projected and self.progress.n > self.first_tick[1] and (
-                now - self.first_tick[0] >= 15 or self.iteration - self.first_iteration >= 2):
-            rate = (self.progress.n - self.first_tick[1]) / (now - self.first_tick[0])
+        elif self.first_tick is not None and not self.projected and self.progress.n > self.first_tick[1]:
+            measured = now - self.first_tick[0]
+            # the host runs ahead of a GPU until its launch queue fills (and GC-IQL's iteration is a single
+            # update), so a GPU run measures 30 s; on a CPU the host's pace is the run's, and two iterations do
+            if self.device.type == "cuda":
+                long_enough = measured >= 30
+            else:
+                long_enough = measured >= 15 or self.iteration - self.first_iteration >= 2
+            if not long_enough:
+                return
+            rate = (self.progress.n - self.first_tick[1]) / measured
             left = (self.progress.total - self.progress.n) / rate
             say(f"projected: {duration(now - self.started + left)} for the whole run, "
                 f"{duration(left)} left ({rate:.3g}{self.progress.unit}/s on {self.device.type})"

@@ -518,6 +518,30 @@ def test_a_resumed_run_projects_its_time_only_after_two_iterations_of_its_own():
     assert run.projected
 
 
+def test_a_gpu_run_projects_its_time_from_30_seconds_not_from_its_first_updates(capsys):
+    """GC-IQL's iteration is one update, and the host queues a GPU's first updates far faster than the GPU runs
+    them: a pointmaze run projected "2.7 min for the whole run" from its first two, at 8,290 updates/s, and then
+    ran at 300 (about 55 minutes). On a GPU the projection waits for 30 s of the run's own pace."""
+    import io
+
+    from tqdm import tqdm
+    run = object.__new__(flexloop_run.Run)
+    run.progress = tqdm(total=1_000_000, initial=0, unit=" updates", file=io.StringIO())
+    run.iteration = run.first_iteration = 0
+    run.first_tick, run.projected, run.started = None, False, time.perf_counter()
+    run.device = torch.device("cuda")
+    for _ in range(1_000):
+        run.iteration += 1
+        run.tick(1)
+    assert not run.projected
+    capsys.readouterr()
+    run.first_tick = (run.first_tick[0] - 30, run.first_tick[1])  # as if the last 999 updates took 30 s
+    run.tick(1)
+    assert run.projected
+    rate = float(re.search(r"\(([0-9.e+]+) updates/s on cuda\)", capsys.readouterr().out).group(1))
+    assert rate == pytest.approx(1_000 / 30, rel=0.01)
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_resumed_run_takes_the_machine_flags_from_the_command_line(script):
     """A run started with --require-cuda on a GPU machine must resume on a CPU without it: the machine flags
