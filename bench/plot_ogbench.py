@@ -101,10 +101,12 @@ def dataset_panels(evaluations, datasets, out, draw, xlabel):
         for model, color in MODELS:
             entries = evaluations.get((dataset, model), [])
             if entries:
-                draw(ax, model, entries, color, f"{model} ({len(entries)} seeds)")
-        ax.set(title=short(dataset), xlabel=xlabel, ylabel="success")
+                seeds = f"{len(entries)} seed" + ("s" if len(entries) > 1 else "")
+                draw(ax, model, entries, color, f"{model} ({seeds})")
+        # success on [0, 1] in every panel, so that panels compare and the legend finds room above the curves
+        ax.set(title=short(dataset), xlabel=xlabel, ylabel="success", ylim=(-0.02, 1.02))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(out, dpi=80)
     plt.close(fig)
@@ -116,7 +118,6 @@ def elasticity_figure(evaluations, datasets, out):
         success = np.array([entry["elasticity"]["mean"] for entry in entries])
         ax.errorbar(np.arange(1, success.shape[1] + 1), success.mean(0), marker="o", capsize=3, color=color,
                     yerr=success.std(0, ddof=1) if len(entries) > 1 else None, label=label)
-        ax.set_ylim(-0.02, 1.02)
     dataset_panels(evaluations, datasets, out, draw, "depth")
 
 
