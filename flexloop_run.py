@@ -577,7 +577,7 @@ class Run:
         np.random.seed(args.seed)
         torch.manual_seed(args.seed)
         torch.backends.cudnn.deterministic = args.torch_deterministic
-        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls in TF32 on a GPU, as JAX's default is there
 
     def begin(self, phases, parts, generators, loss_sums, steps_per_iteration, updates_per_iteration,
               progress="updates"):
