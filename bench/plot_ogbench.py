@@ -106,7 +106,7 @@ def dataset_panels(evaluations, datasets, out, draw, xlabel):
         # success on [0, 1] in every panel, so that panels compare and the legend finds room above the curves
         ax.set(title=short(dataset), xlabel=xlabel, ylabel="success", ylim=(-0.02, 1.02))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=80)
     plt.close(fig)
