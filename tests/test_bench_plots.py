@@ -6,7 +6,8 @@ bench/plot_flexloop_length.py: the seed means of depth and success at each FlexL
 bench/runs_per_gpu.py: copies started together, their rates summed line by line against one alone; clear refusals.
 bench/iql_seeds.py: an update of N stacked GC-IQL seeds is N separate updates.
 bench/profiling.py: the matmul FLOPs of a call, forward and backward, and the rates they make of a profile.
-bench/split_gate.py: the IRU with its gates' LayerNorm split over its two halves is the plain one; its bf16 check."""
+bench/split_gate.py: the IRU with its gates' LayerNorm split over its two halves is the plain one; its bf16 check.
+bench/training_evals.py: a run's evaluations during training as a table, a background one at the step it evaluated."""
 
 import importlib.util
 import json
@@ -361,3 +362,39 @@ def test_split_gate_bf16_check_compares_both_networks_with_float32(monkeypatch):
         assert 0 < result[name]["mean_abs_diff"] < 0.01 * result["q_max_abs"]  # bf16 differs, but a little
         assert len(result[name]["greedy_agreement_per_depth"]) == 5
         assert min(result[name]["greedy_agreement_per_depth"]) >= 0.85
+
+
+def test_training_evals_tables_each_evaluated_step_with_its_task_and_loss(tmp_path, monkeypatch):
+    """bench/training_evals.py: one row per evaluation, a background one at the step it evaluated with the loss
+    logged nearest that step; per-split columns for GC-DQN runs; clear refusals."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    training_evals = load_bench("training_evals")
+    gciql_run = tmp_path / "gciql.jsonl"
+    with open(gciql_run, "w") as f:
+        for step, critic in ((100_000, 2.0), (250_000, 1.5), (359_970, 9.0)):
+            f.write(json.dumps({"global_step": step, "losses/critic_loss": critic}) + "\n")
+        evaluation = {"global_step": 359_970, "charts/evaluated_step": 250_000}
+        for k in (1, 2):
+            evaluation[f"eval/success_depth_{k}"] = 0.1 * k
+            for t in (1, 2):
+                evaluation[f"eval/task_{t}/success_depth_{k}"] = 0.25 * t * k
+        f.write(json.dumps(evaluation) + "\n")
+        f.write('{"global_step": 400000, "eval/succ')  # a killed run's cut last line
+    lines = training_evals.table(gciql_run, task=2, loss="losses/critic_loss").splitlines()
+    assert lines[0] == "| step | depths 1-K | task 2, depths 1-K | losses/critic_loss |"
+    assert lines[2:] == ["| 250k | 0.100 / 0.200 | 0.500 / 1.000 | 1.5 |"]  # 1.5 logged at 250k, not 9.0 after it
+    assert training_evals.step_label(1_000_000) == "1M" and training_evals.step_label(1_000_012) == "1,000,012"
+
+    gcdqn_run = tmp_path / "gcdqn.jsonl"
+    write_run(gcdqn_run, [0.3, 0.6])
+    lines = training_evals.table(gcdqn_run).splitlines()
+    assert lines[0] == "| step | train, depths 1-K | unseen, depths 1-K |"
+    assert lines[3] == "| 204,800 | 0.200 / 0.400 / 0.600 | 0.200 / 0.400 / 0.600 |"
+    with pytest.raises(SystemExit, match="logs no success for task 2"):
+        training_evals.table(gcdqn_run, task=2)
+    with pytest.raises(SystemExit, match=r"logs no losses/critic_loss; its losses: \['losses/td_loss'\]"):
+        training_evals.table(gcdqn_run, loss="losses/critic_loss")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"global_step": 1, "losses/td_loss": 1.0}) + "\n")
+    with pytest.raises(SystemExit, match="holds no evaluation yet"):
+        training_evals.table(empty)
