@@ -28,13 +28,20 @@ SPLIT_PREFIXES = {"train": "eval/train/success_depth_", "unseen": "eval/unseen/s
 ALL_TASKS_PREFIX = {"all": "eval/success_depth_"}  # GC-IQL: the mean over the dataset's tasks
 
 
-def eval_records(path):
+def read_records(path):
+    """Every record of a metrics.jsonl; a killed run may leave its last line cut short, which is skipped."""
     records = []
     for line in open(path):
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a killed run may leave its last line cut short
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
             continue
+    return records
+
+
+def eval_records(path):
+    records = []
+    for record in read_records(path):
         if any(key.startswith(prefix) for key in record
                for prefix in (*SPLIT_PREFIXES.values(), *ALL_TASKS_PREFIX.values())):
             if "charts/evaluated_step" in record:  # GC-IQL's --eval-in-background: logged after the step it

@@ -11,12 +11,11 @@ the loss it is shown with (the logged value nearest to it).
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot_parity import eval_records, panels_of  # noqa: E402
+from plot_parity import eval_records, panels_of, read_records  # noqa: E402
 
 
 def step_label(step):
@@ -36,9 +35,8 @@ def successes(record, prefix):
 
 
 def nearest_logged(records, key, step):
-    """The value of `key` in the record whose global_step is nearest to `step` (None where no record has it)."""
-    logged = [r for r in records if key in r]
-    return min(logged, key=lambda r: abs(r["global_step"] - step))[key] if logged else None
+    """The value of `key` in the record, of those that log it, whose global_step is nearest to `step`."""
+    return min((r for r in records if key in r), key=lambda r: abs(r["global_step"] - step))[key]
 
 
 def table(path, task=None, loss=None):
@@ -50,13 +48,8 @@ def table(path, task=None, loss=None):
     if task is not None and not depths_of(evals[0], task_prefix):
         raise SystemExit(f"{path} logs no success for task {task}: GC-IQL runs log eval/task_<t>/success_depth_<k> "
                          f"for t = 1..5; drop --task for other runs")
-    records = []
-    for line in open(path):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a killed run may leave its last line cut short
-            continue
-    if loss is not None and nearest_logged(records, loss, 0) is None:
+    records = read_records(path)
+    if loss is not None and not any(loss in r for r in records):
         raise SystemExit(f"{path} logs no {loss}; its losses: "
                          f"{sorted({key for r in records for key in r if key.startswith('losses/')})}")
     header = ["step"] + [f"{name}, depths 1-K" if name != "all" else "depths 1-K" for name in panels]
