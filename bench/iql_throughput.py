@@ -144,7 +144,8 @@ if __name__ == "__main__":
     parser.add_argument("--eval-episodes", type=int, default=2, help="per task and depth; 0 skips evaluation")
     parser.add_argument("--eval-envs", type=int, default=50)
     parser.add_argument("--eval-async", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--bf16", action="store_true", help="the updates' network passes under bf16 autocast")
+    parser.add_argument("--bf16", action="store_true", help="the updates' network passes under bf16 autocast "
+                        "(flexloop_gciql.py's default; without it this bench measures TF32)")
     parser.add_argument("--profile", action="store_true", help="also count an update's matmul GFLOP (any device), "
                         "and on a GPU profile its kernels by kind, the 8 largest, and the TFLOP/s they make")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,

@@ -842,6 +842,29 @@ def test_bad_checkpoints(tmp_path):
         flexloop_run.load_checkpoint(tmp_path / "dqn.pt", gciql.ALGORITHM)
 
 
+def test_bf16_is_the_default_on_a_gpu_and_a_cpu_update_stays_float32(data_dir, tmp_path):
+    """--bf16 (on by default since it learned as well as TF32) autocasts the update on a GPU only: on a CPU two
+    updates with and without it leave exactly the same weights, so CPU runs and the CPU tests keep float32."""
+    assert gciql.Args().bf16
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, tmp_path, depth=3, hidden_dim=32))
+    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False)
+    weights = []
+    for bf16 in (True, False):
+        torch.manual_seed(0)
+        network = gciql.build_network(args, "cpu")
+        target_critic = gciql.initial_target_critic(network, None)
+        optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate)
+        update = gciql.make_update(replace(args, bf16=bf16), network, target_critic, optimizer, dataset,
+                                   torch.Generator().manual_seed(0), torch.tensor(0.3),
+                                   torch.zeros(len(gciql.LOSS_NAMES)))
+        before = [p.detach().clone() for p in network.parameters()]
+        for _ in range(2):
+            update()
+        weights.append([p.detach().clone() for p in network.parameters()])
+        assert not all(torch.equal(a, b) for a, b in zip(before, weights[-1]))  # the updates did change them
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
+
+
 @pytest.mark.slow
 def test_bf16_update_keeps_heads_in_float32_and_the_loss_close(data_dir, tmp_path):
     """--bf16 runs the networks' matmuls in bf16 but every head (V, Q, the actor's mean) in float32, so the loss
