@@ -603,8 +603,8 @@ def make_update(args, network, target_critic, optimizer, dataset, generator, lam
                 losses=flexloop_losses, prefetch=False):
     """One update: sample a batch, the losses of `flexloop_losses`, Adam, Polyak averaging of the target critic.
     No host sync, fixed shapes: it can be captured in a CUDA graph. lambda_depth is a 0-d tensor, so one captured
-    graph serves both phases; the loss parts add to loss_sums. With --bf16 the losses' network passes run under
-    bf16 autocast; the backward pass runs outside it, as torch.autocast advises. `losses` is flexloop_losses,
+    graph serves both phases; the loss parts add to loss_sums. With --bf16 on a GPU the losses' network passes run
+    under bf16 autocast; the backward pass runs outside it, as torch.autocast advises. `losses` is flexloop_losses,
     compiled or not, or `on_cuda_streams` (the update around it is captured, not compiled).
 
     prefetch: each update trains on the batch sampled during the previous one and samples the next, on a CUDA
