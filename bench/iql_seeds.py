@@ -86,7 +86,7 @@ def make_stacked_update(args, agents, target_critics, dataset, generator, lambda
         if batches is None:
             flat = dataset.sample(num_seeds * args.batch_size, generator)
             batches = {k: v.view(num_seeds, args.batch_size, *v.shape[1:]) for k, v in flat.items()}
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16 and device.type == "cuda"):  # as train()
             losses, terms = all_losses(params, target_params, batches, lambda_depth)
         optimizer.zero_grad(set_to_none=False)
         losses.sum().backward()  # no term mixes two seeds: each seed's weights get its own loss's gradient
@@ -190,7 +190,8 @@ if __name__ == "__main__":
         gciql.Args(), env_name=cli.env_name, batch_size=cli.batch_size, hidden_dim=cli.hidden_dim, bf16=cli.bf16))
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "env_name": args.env_name, "batch_size": args.batch_size,
-              "hidden_dim": args.hidden_dim, "bf16": args.bf16, "lambda_depth": args.lambda_depth}
+              "hidden_dim": args.hidden_dim, "bf16": args.bf16 and device.type == "cuda",  # a CPU update stays float32
+              "lambda_depth": args.lambda_depth}
     if cli.check:
         print(json.dumps({**check_against_separate(args, cli.seeds, device), **common}), flush=True)
         sys.exit(0)

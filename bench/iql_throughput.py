@@ -55,7 +55,7 @@ def loss_and_backward(args, agent, target_critic, dataset, lambda_depth):
     """An update's losses and backward pass, uncompiled and without the optimizer's step (which has no matmul), on a
     batch of its own: what matmul_flops counts. The gradients are zeroed after."""
     batch = dataset.sample(args.batch_size, torch.Generator(dataset.device).manual_seed(1))
-    with torch.autocast(dataset.device.type, torch.bfloat16, enabled=args.bf16):
+    with torch.autocast(dataset.device.type, torch.bfloat16, enabled=args.bf16 and dataset.device.type == "cuda"):
         loss, _ = gciql.flexloop_losses(agent, target_critic, batch, args, lambda_depth)
     loss.backward()
     agent.zero_grad(set_to_none=False)
@@ -164,7 +164,8 @@ if __name__ == "__main__":
     modes = cli.modes or (gpu_modes if device.type == "cuda" else ["eager"])
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     common = {"device": card, "torch": torch.__version__, "env_name": args.env_name, "depth": args.depth,
-              "hidden_dim": args.hidden_dim, "batch_size": args.batch_size, "bf16": args.bf16,
+              "hidden_dim": args.hidden_dim, "batch_size": args.batch_size,
+              "bf16": args.bf16 and device.type == "cuda",  # a CPU update stays float32
               "inductor": inductor_options}
     dataset = synthetic_dataset(args.env_name, cli.states, cli.trajectory_length, device)
     for mode in modes:
