@@ -865,6 +865,27 @@ def test_bf16_is_the_default_on_a_gpu_and_a_cpu_update_stays_float32(data_dir, t
     assert all(torch.equal(a, b) for a, b in zip(*weights))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bf16_on_a_gpu_trains_in_bf16_close_to_float32(data_dir, tmp_path):
+    """On a GPU, --bf16 (the default) does change the update's arithmetic, and its losses only by bf16's rounding."""
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, tmp_path, depth=3, hidden_dim=32))
+    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False, device="cuda")
+    losses, weights = [], []
+    for bf16 in (True, False):
+        torch.manual_seed(0)
+        network = gciql.build_network(args, "cuda")
+        target_critic = gciql.initial_target_critic(network, None)
+        optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate)
+        loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device="cuda")
+        update = gciql.make_update(replace(args, bf16=bf16), network, target_critic, optimizer, dataset,
+                                   torch.Generator("cuda").manual_seed(0), torch.tensor(0.3, device="cuda"), loss_sums)
+        update()
+        losses.append(loss_sums)
+        weights.append([p.detach().clone() for p in network.parameters()])
+    assert not all(torch.equal(a, b) for a, b in zip(*weights))  # the matmuls did run in bf16
+    torch.testing.assert_close(losses[0], losses[1], rtol=0.05, atol=0.05)  # the same batch, the same losses
+
+
 @pytest.mark.slow
 def test_bf16_update_keeps_heads_in_float32_and_the_loss_close(data_dir, tmp_path):
     """--bf16 runs the networks' matmuls in bf16 but every head (V, Q, the actor's mean) in float32, so the loss
