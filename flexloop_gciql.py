@@ -599,6 +599,11 @@ def on_cuda_streams(branches, device):
     return losses
 
 
+def bf16_autocast(args, device):
+    """The update's autocast: bf16 under --bf16 on a GPU; none on a CPU, where bf16 is slower than float32."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+
+
 def make_update(args, network, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
                 losses=flexloop_losses, prefetch=False):
     """One update: sample a batch, the losses of `flexloop_losses`, Adam, Polyak averaging of the target critic.
@@ -613,7 +618,6 @@ def make_update(args, network, target_critic, optimizer, dataset, generator, lam
     critic_params, target_params = list(network.critic.parameters()), list(target_critic.parameters())
     sampler_stream = torch.cuda.Stream(dataset.device) if prefetch and dataset.device.type == "cuda" else None
     ready = {}  # prefetch: the batch the next update trains on, in the same buffers every time
-    bf16 = args.bf16 and dataset.device.type == "cuda"  # bf16 autocast is for GPUs: on a CPU it is slower than float32
 
     def sample_next():
         if sampler_stream is None:
@@ -627,7 +631,7 @@ def make_update(args, network, target_critic, optimizer, dataset, generator, lam
             ready.update(dataset.sample(args.batch_size, generator))
         batch = ready if prefetch else dataset.sample(args.batch_size, generator)
         upcoming = sample_next() if prefetch else None
-        with torch.autocast(dataset.device.type, torch.bfloat16, enabled=bf16):
+        with bf16_autocast(args, dataset.device):
             loss, terms = losses(network, target_critic, batch, args, lambda_depth)
         optimizer.zero_grad(set_to_none=False)
         loss.backward()

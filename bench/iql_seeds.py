@@ -86,7 +86,7 @@ def make_stacked_update(args, agents, target_critics, dataset, generator, lambda
         if batches is None:
             flat = dataset.sample(num_seeds * args.batch_size, generator)
             batches = {k: v.view(num_seeds, args.batch_size, *v.shape[1:]) for k, v in flat.items()}
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.bf16 and device.type == "cuda"):  # as train()
+        with gciql.bf16_autocast(args, device):
             losses, terms = all_losses(params, target_params, batches, lambda_depth)
         optimizer.zero_grad(set_to_none=False)
         losses.sum().backward()  # no term mixes two seeds: each seed's weights get its own loss's gradient

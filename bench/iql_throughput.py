@@ -55,7 +55,7 @@ def loss_and_backward(args, agent, target_critic, dataset, lambda_depth):
     """An update's losses and backward pass, uncompiled and without the optimizer's step (which has no matmul), on a
     batch of its own: what matmul_flops counts. The gradients are zeroed after."""
     batch = dataset.sample(args.batch_size, torch.Generator(dataset.device).manual_seed(1))
-    with torch.autocast(dataset.device.type, torch.bfloat16, enabled=args.bf16 and dataset.device.type == "cuda"):
+    with gciql.bf16_autocast(args, dataset.device):
         loss, _ = gciql.flexloop_losses(agent, target_critic, batch, args, lambda_depth)
     loss.backward()
     agent.zero_grad(set_to_none=False)

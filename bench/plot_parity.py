@@ -39,15 +39,20 @@ def read_records(path):
     return records
 
 
-def eval_records(path):
-    records = []
-    for record in read_records(path):
+def evaluations(records):
+    """The records that hold an evaluation, each at the step it evaluated."""
+    evals = []
+    for record in records:
         if any(key.startswith(prefix) for key in record
                for prefix in (*SPLIT_PREFIXES.values(), *ALL_TASKS_PREFIX.values())):
             if "charts/evaluated_step" in record:  # GC-IQL's --eval-in-background: logged after the step it
-                record["global_step"] = record["charts/evaluated_step"]  # evaluated
-            records.append(record)
-    return records
+                record = {**record, "global_step": record["charts/evaluated_step"]}  # evaluated
+            evals.append(record)
+    return evals
+
+
+def eval_records(path):
+    return evaluations(read_records(path))
 
 
 def panels_of(runs):

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot_parity import eval_records, panels_of, read_records  # noqa: E402
+from plot_parity import evaluations, panels_of, read_records  # noqa: E402
 
 
 def step_label(step):
@@ -40,7 +40,8 @@ def nearest_logged(records, key, step):
 
 
 def table(path, task=None, loss=None):
-    evals = eval_records(path)
+    records = read_records(path)
+    evals = evaluations(records)
     if not evals:
         raise SystemExit(f"{path} holds no evaluation yet (no success_depth_<k> record)")
     panels = panels_of({path: evals})
@@ -48,7 +49,6 @@ def table(path, task=None, loss=None):
     if task is not None and not depths_of(evals[0], task_prefix):
         raise SystemExit(f"{path} logs no success for task {task}: GC-IQL runs log eval/task_<t>/success_depth_<k> "
                          f"for t = 1..5; drop --task for other runs")
-    records = read_records(path)
     if loss is not None and not any(loss in r for r in records):
         raise SystemExit(f"{path} logs no {loss}; its losses: "
                          f"{sorted({key for r in records for key in r if key.startswith('losses/')})}")

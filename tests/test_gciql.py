@@ -842,48 +842,43 @@ def test_bad_checkpoints(tmp_path):
         flexloop_run.load_checkpoint(tmp_path / "dqn.pt", gciql.ALGORITHM)
 
 
+def updates_with_and_without_bf16(data_dir, tmp_path, device, updates):
+    """The same network trained for `updates` updates on the same batches with --bf16 and with --no-bf16: for each,
+    its weights before and after, and its summed losses."""
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, tmp_path, depth=3, hidden_dim=32))
+    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False, device=device)
+    results = []
+    for bf16 in (True, False):
+        torch.manual_seed(0)
+        network = gciql.build_network(args, device)
+        target_critic = gciql.initial_target_critic(network, None)
+        optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate)
+        loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device=device)
+        update = gciql.make_update(replace(args, bf16=bf16), network, target_critic, optimizer, dataset,
+                                   torch.Generator(device).manual_seed(0), torch.tensor(0.3, device=device), loss_sums)
+        before = [p.detach().clone() for p in network.parameters()]
+        for _ in range(updates):
+            update()
+        results.append({"before": before, "after": [p.detach().clone() for p in network.parameters()],
+                        "losses": loss_sums})
+    return results
+
+
 def test_bf16_is_the_default_on_a_gpu_and_a_cpu_update_stays_float32(data_dir, tmp_path):
     """--bf16 (on by default since it learned as well as TF32) autocasts the update on a GPU only: on a CPU two
     updates with and without it leave exactly the same weights, so CPU runs and the CPU tests keep float32."""
     assert gciql.Args().bf16
-    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, tmp_path, depth=3, hidden_dim=32))
-    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False)
-    weights = []
-    for bf16 in (True, False):
-        torch.manual_seed(0)
-        network = gciql.build_network(args, "cpu")
-        target_critic = gciql.initial_target_critic(network, None)
-        optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate)
-        update = gciql.make_update(replace(args, bf16=bf16), network, target_critic, optimizer, dataset,
-                                   torch.Generator().manual_seed(0), torch.tensor(0.3),
-                                   torch.zeros(len(gciql.LOSS_NAMES)))
-        before = [p.detach().clone() for p in network.parameters()]
-        for _ in range(2):
-            update()
-        weights.append([p.detach().clone() for p in network.parameters()])
-        assert not all(torch.equal(a, b) for a, b in zip(before, weights[-1]))  # the updates did change them
-    assert all(torch.equal(a, b) for a, b in zip(*weights))
+    half, full = updates_with_and_without_bf16(data_dir, tmp_path, "cpu", updates=2)
+    assert not all(torch.equal(a, b) for a, b in zip(half["before"], half["after"]))  # the updates did change them
+    assert all(torch.equal(a, b) for a, b in zip(half["after"], full["after"]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_bf16_on_a_gpu_trains_in_bf16_close_to_float32(data_dir, tmp_path):
     """On a GPU, --bf16 (the default) does change the update's arithmetic, and its losses only by bf16's rounding."""
-    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, tmp_path, depth=3, hidden_dim=32))
-    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False, device="cuda")
-    losses, weights = [], []
-    for bf16 in (True, False):
-        torch.manual_seed(0)
-        network = gciql.build_network(args, "cuda")
-        target_critic = gciql.initial_target_critic(network, None)
-        optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate)
-        loss_sums = torch.zeros(len(gciql.LOSS_NAMES), device="cuda")
-        update = gciql.make_update(replace(args, bf16=bf16), network, target_critic, optimizer, dataset,
-                                   torch.Generator("cuda").manual_seed(0), torch.tensor(0.3, device="cuda"), loss_sums)
-        update()
-        losses.append(loss_sums)
-        weights.append([p.detach().clone() for p in network.parameters()])
-    assert not all(torch.equal(a, b) for a, b in zip(*weights))  # the matmuls did run in bf16
-    torch.testing.assert_close(losses[0], losses[1], rtol=0.05, atol=0.05)  # the same batch, the same losses
+    half, full = updates_with_and_without_bf16(data_dir, tmp_path, "cuda", updates=1)
+    assert not all(torch.equal(a, b) for a, b in zip(half["after"], full["after"]))  # the matmuls did run in bf16
+    torch.testing.assert_close(half["losses"], full["losses"], rtol=0.05, atol=0.05)  # the same batch, the same losses
 
 
 @pytest.mark.slow
