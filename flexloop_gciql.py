@@ -133,6 +133,9 @@ class FlexLoopArgs:
     becomes --seed, so one sweep value serves every seed"""
     lambda_depth: Optional[float] = None
     """weight of the adjacent-depth normalised KL on the actor (default: the dataset's; 0 = plain IRU-K training)"""
+    init_optimizer: bool = False
+    """also take the --init-checkpoint's Adam state (a full checkpoint's, not a slim one's), so that post-training
+    continues pretraining's optimiser as restoring a whole agent does in the JAX code; off, Adam starts afresh"""
 
 
 @dataclass
@@ -218,7 +221,8 @@ ALGORITHM = "gciql"
 NETWORK_FLAGS = ("depth", "hidden_dim", "num_critics", "iru_variant", "backbone")  # an --init-checkpoint must match
 CHECKPOINT_PARTS = ("model", "target_model", "optimizer")  # the state dicts in a checkpoint
 GPU_SIZED_FLAGS = ("batch_size", "hidden_dim", "pretrain_steps", "total_steps")  # their defaults need a GPU
-PRETRAINING_ONLY = dict(lambda_depth=0.0, total_steps=0, init_checkpoint=None)  # what iru_pretrain.py fixes
+# what iru_pretrain.py fixes
+PRETRAINING_ONLY = dict(lambda_depth=0.0, total_steps=0, init_checkpoint=None, init_optimizer=False)
 ENV_IDS = tuple(DATASET_HYPERPARAMETERS)  # what check_args accepts
 POSITIVE_FLAGS = ("batch_size", "hidden_dim", "num_critics", "eval_every", "eval_envs", "log_every",
                   "save_every")  # check_args refuses them at 0 or less
@@ -232,6 +236,8 @@ def check_args(args: Args):
         raise ValueError(f"--lambda-depth must be >= 0, got {args.lambda_depth}")
     if args.resume and args.init_checkpoint:
         raise ValueError("give either --resume (continue a run) or --init-checkpoint (start post-training), not both")
+    if args.init_optimizer and not args.init_checkpoint:
+        raise ValueError("--init-optimizer takes the Adam state of an --init-checkpoint; give one, or drop the flag")
     if args.backbone == "lstm" and args.iru_variant != "residual":
         raise ValueError("--iru-variant applies to the IRU backbone only; drop it with --backbone lstm")
     if args.env_name not in ENV_IDS:
@@ -800,6 +806,17 @@ def initial_target_critic(network, init=None):
     return target_critic
 
 
+def initial_optimizer_state(init, optimizer):
+    """--init-optimizer: the Adam state of a full --init-checkpoint, with this run's learning rate and device flags.
+    A slim checkpoint holds none: refused, naming the fix."""
+    if init.get("optimizer") is None:
+        raise ValueError("--init-optimizer needs a full checkpoint (a run's final.pt or latest.pt as written), but "
+                         "this --init-checkpoint is slim and holds no Adam state; give the full one or drop the flag")
+    state = flexloop_run.on_this_device(init["optimizer"], optimizer)
+    groups = [{**saved, "lr": now["lr"]} for saved, now in zip(state["param_groups"], optimizer.param_groups)]
+    return {**state, "param_groups": groups}
+
+
 def train(args: Args):
     # The flags checked (a resumed run's own), checkpoints read, the device picked, seeds set: flexloop_run.py
     run = flexloop_run.Run(sys.modules[__name__], args)
@@ -817,6 +834,8 @@ def train(args: Args):
     target_critic = initial_target_critic(network, run.init)
     on_cuda = device.type == "cuda"
     optimizer = torch.optim.Adam(network.parameters(), lr=args.learning_rate, capturable=on_cuda, fused=on_cuda)
+    if args.init_optimizer and run.init is not None:  # a resumed run restores its own optimiser instead
+        optimizer.load_state_dict(initial_optimizer_state(run.init, optimizer))
     if args.cuda_streams and on_cuda:
         losses = on_cuda_streams([run.compiled(branch) for branch in LOSS_BRANCHES], device)
     else:

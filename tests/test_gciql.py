@@ -790,6 +790,33 @@ def test_init_checkpoint_takes_a_slim_checkpoint_and_its_target_critic_from_a_fu
     assert [(r["global_step"], r["phase"]) for r in records] == [(3, "flexloop"), (6, "flexloop")]
 
 
+def test_init_optimizer_continues_the_pretraining_adam_state_and_refuses_a_slim_checkpoint(smoke_run, data_dir,
+                                                                                           tmp_path):
+    full = flexloop_run.load_checkpoint(smoke_run / "pretrained.pt")
+    network = gciql.build_network(gciql.Args(**full["args"]), torch.device("cpu"))
+    optimizer = torch.optim.Adam(network.parameters(), lr=1e-5)
+    optimizer.load_state_dict(gciql.initial_optimizer_state(full, optimizer))
+    loaded, saved = optimizer.state_dict(), full["optimizer"]
+    assert loaded["state"][0]["step"].item() == saved["state"][0]["step"].item() > 0  # pretraining's step count
+    for index in saved["state"]:  # Adam's moments as pretraining left them
+        torch.testing.assert_close(loaded["state"][index]["exp_avg"], saved["state"][index]["exp_avg"])
+        torch.testing.assert_close(loaded["state"][index]["exp_avg_sq"], saved["state"][index]["exp_avg_sq"])
+    assert [group["lr"] for group in loaded["param_groups"]] == [1e-5]  # this run's learning rate, not the saved one
+
+    run_dir = gciql.train(tiny_args(data_dir, tmp_path / "runs", init_checkpoint=str(smoke_run / "pretrained.pt"),
+                                    init_optimizer=True))
+    records = [r for r in read_metrics(run_dir) if "losses/critic_loss" in r]
+    assert [(r["global_step"], r["phase"]) for r in records] == [(3, "flexloop"), (6, "flexloop")]
+    final = flexloop_run.load_checkpoint(run_dir / "final.pt")  # Adam counted on from pretraining's steps
+    assert final["optimizer"]["state"][0]["step"].item() == saved["state"][0]["step"].item() + 6
+
+    slim_path = tmp_path / "slim" / "pretrained.pt"
+    flexloop_run.slim_checkpoint(smoke_run / "pretrained.pt", slim_path)
+    with pytest.raises(ValueError, match="needs a full checkpoint"):
+        gciql.train(tiny_args(data_dir, tmp_path / "refused", init_checkpoint=str(slim_path), init_optimizer=True))
+    assert not (tmp_path / "refused").exists()  # refused before any run folder
+
+
 @pytest.mark.slow
 def test_iru_pretrain_gciql_subcommand(data_dir, tmp_path):
     command = [sys.executable, "iru_pretrain.py", "gciql", "--env-name", PM, "--dataset-dir", str(data_dir),
@@ -824,6 +851,7 @@ def test_missing_dataset_fails_before_any_work(tmp_path):
     (dict(expectile=1.0), "--expectile"),
     (dict(batch_size=0), "--batch-size must be positive"),
     (dict(resume="a.pt", init_checkpoint="b.pt"), "not both"),
+    (dict(init_optimizer=True), "--init-optimizer takes the Adam state of an --init-checkpoint"),
 ])
 def test_bad_flags(overrides, message):
     with pytest.raises(ValueError, match=message):
