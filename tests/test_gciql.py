@@ -2,6 +2,7 @@
 evaluation, smoke runs with checkpoints and resume, and iru_pretrain's gciql subcommand. CPU, no network."""
 
 import copy
+import importlib.util
 import json
 import math
 import os
@@ -815,6 +816,24 @@ def test_init_optimizer_continues_the_pretraining_adam_state_and_refuses_a_slim_
     with pytest.raises(ValueError, match="needs a full checkpoint"):
         gciql.train(tiny_args(data_dir, tmp_path / "refused", init_checkpoint=str(slim_path), init_optimizer=True))
     assert not (tmp_path / "refused").exists()  # refused before any run folder
+
+
+def test_action_drift_bench_measures_movement_and_saturation(smoke_run, data_dir, capsys):
+    spec = importlib.util.spec_from_file_location("action_drift", REPO / "bench" / "action_drift.py")
+    action_drift = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(action_drift)
+    pretrained, final = str(smoke_run / "pretrained.pt"), str(smoke_run / "final.pt")
+    report = action_drift.main(["--env-name", PM, "--dataset-dir", str(data_dir), "--states", "256",
+                                "--pairs", pretrained, final, final, final])
+    assert json.loads(capsys.readouterr().out) == report  # what it prints is the JSON it returns
+    moved, still = (pair["mean_action_change"] for pair in report["pairs"])
+    assert still == [0.0, 0.0] and max(moved) > 0  # a checkpoint against itself has not moved; FlexLoop moved
+    for path in (pretrained, final):
+        checkpoint = report["checkpoints"][path]
+        assert len(checkpoint["outside_box"]) == 2 and all(0 <= f <= 1 for f in checkpoint["outside_box"])
+    with pytest.raises(SystemExit):
+        action_drift.main(["--env-name", PM, "--dataset-dir", str(data_dir), "--pairs", pretrained])
+    assert "two by two" in capsys.readouterr().err
 
 
 @pytest.mark.slow
