@@ -135,7 +135,8 @@ class FlexLoopArgs:
     """weight of the adjacent-depth normalised KL on the actor (default: the dataset's; 0 = plain IRU-K training)"""
     init_optimizer: bool = False
     """also take the --init-checkpoint's Adam state (a full checkpoint's, not a slim one's), so that post-training
-    continues pretraining's optimiser as restoring a whole agent does in the JAX code; off, Adam starts afresh"""
+    continues pretraining's optimiser as restoring a whole agent does in the JAX code; off, Adam starts afresh (on
+    pointmaze the inherited state moved full depth more at the start: docs/results/ogbench.md)"""
 
 
 @dataclass

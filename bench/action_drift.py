@@ -26,10 +26,8 @@ from envs import ogbench_data  # noqa: E402
 
 
 def load_actor(path):
-    checkpoint = flexloop_run.load_checkpoint(path, flexloop_gciql.ALGORITHM)
-    network = flexloop_gciql.build_network(flexloop_gciql.Args(**checkpoint["args"]), torch.device("cpu"))
-    network.load_state_dict(checkpoint["model"])
-    return network.actor.eval()
+    actor, _ = flexloop_gciql.network_from_checkpoint(flexloop_run.load_checkpoint(path, flexloop_gciql.ALGORITHM))
+    return actor.eval()
 
 
 @torch.no_grad()
