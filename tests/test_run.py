@@ -9,8 +9,10 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import gymnasium as gym
 import pytest
@@ -201,3 +203,20 @@ def test_gcppo_says_what_it_trains_on_and_what_it_evaluates():
     text = gcppo.format_eval(results, args, 3)
     assert "training tasks: at most 1 press" in text
     assert "train (1-9 presses)" in text and "unseen (10-19 presses)" in text
+
+
+def test_a_stop_drops_a_background_evaluation_that_it_broke_and_no_stop_raises_its_error():
+    """SIGTERM to a run's process group also ends its evaluation's env workers, so the evaluation thread fails with
+    them. Seen on a GPU: that error, raised after the stop, lost the latest.pt the stop was writing."""
+    def failed_evaluation():
+        thread = threading.Thread(target=lambda: None)
+        thread.start()
+        thread.join()
+        return (thread, {"error": RuntimeError("an OGBench evaluation worker failed")}, {}, 7)
+
+    stopped = SimpleNamespace(background=failed_evaluation(), stop=SimpleNamespace(reason="SIGTERM"))
+    flexloop_run.Run.log_background_evaluation(stopped)
+    assert stopped.background is None
+    running = SimpleNamespace(background=failed_evaluation(), stop=SimpleNamespace(reason=None))
+    with pytest.raises(RuntimeError, match="evaluation worker failed"):
+        flexloop_run.Run.log_background_evaluation(running)
