@@ -807,17 +807,15 @@ class Run:
 
     def log_background_evaluation(self, wait=False):
         """The background evaluation's metrics, logged once it has ended (with wait, once it ends); an error in it is
-        raised here. A stopped run drops it unlogged, error and all: the stop's SIGTERM reaches the evaluation's env
-        workers too (one process group), and their failure must not keep the run from writing latest.pt."""
+        raised here, except in a stopped run. A stopped run does not wait: its last evaluation goes unlogged."""
         if self.background is None or (self.background[0].is_alive() and not wait):
-            return
-        if self.stop.reason is not None:
-            self.background = None
             return
         thread, outcome, taken, iteration = self.background
         thread.join()
         self.background = None
         if "error" in outcome:
+            if self.stop.reason is not None:  # the stop's SIGTERM ended the evaluation's env workers too (one
+                return                        # process group); raising would lose the latest.pt it is writing
             raise outcome["error"]
         self.record_evaluation({**taken, **outcome["results"]}, iteration)
 

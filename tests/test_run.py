@@ -207,16 +207,23 @@ def test_gcppo_says_what_it_trains_on_and_what_it_evaluates():
 
 def test_a_stop_drops_a_background_evaluation_that_it_broke_and_no_stop_raises_its_error():
     """SIGTERM to a run's process group also ends its evaluation's env workers, so the evaluation thread fails with
-    them. Seen on a GPU: that error, raised after the stop, lost the latest.pt the stop was writing."""
-    def failed_evaluation():
+    them. Seen on a GPU: that error, raised after the stop, lost the latest.pt the stop was writing. An evaluation
+    that had finished before the stop is still logged."""
+    def ended_evaluation(outcome):
         thread = threading.Thread(target=lambda: None)
         thread.start()
         thread.join()
-        return (thread, {"error": RuntimeError("an OGBench evaluation worker failed")}, {}, 7)
+        return (thread, outcome, {"charts/evaluated_step": 7}, 7)
 
-    stopped = SimpleNamespace(background=failed_evaluation(), stop=SimpleNamespace(reason="SIGTERM"))
+    failed = {"error": RuntimeError("an OGBench evaluation worker failed")}
+    logged = []
+    stopped = SimpleNamespace(background=ended_evaluation(failed), stop=SimpleNamespace(reason="SIGTERM"),
+                              record_evaluation=lambda results, iteration: logged.append(results))
     flexloop_run.Run.log_background_evaluation(stopped)
-    assert stopped.background is None
-    running = SimpleNamespace(background=failed_evaluation(), stop=SimpleNamespace(reason=None))
+    assert stopped.background is None and logged == []
+    stopped.background = ended_evaluation({"results": {"eval/success_depth_1": 0.5}})
+    flexloop_run.Run.log_background_evaluation(stopped)
+    assert logged == [{"charts/evaluated_step": 7, "eval/success_depth_1": 0.5}]
+    running = SimpleNamespace(background=ended_evaluation(failed), stop=SimpleNamespace(reason=None))
     with pytest.raises(RuntimeError, match="evaluation worker failed"):
         flexloop_run.Run.log_background_evaluation(running)
