@@ -830,6 +830,8 @@ def train(args: Args):
             if run.evaluate_due():
                 run.evaluate(evaluate, network, eval_envs, args.seed + 1000)
             run.save_due()
+        if run.final_evaluation_owed:  # resumed after a stop in the final evaluation
+            run.evaluate(evaluate, network, eval_envs, args.seed + 1000)
     return run.finish()  # final.pt, or latest.pt after a stop
 
 

@@ -883,6 +883,9 @@ def train(args: Args):
             run.save_due()
         if run.stop.reason is None:
             run.log_background_evaluation(wait=True)  # logged before final.pt holds the metrics
+        if args.eval_episodes > 0 and run.final_evaluation_owed:  # resumed after a stop in the final evaluation
+            eval_env = make_eval_vector_env(args.env_name, eval_env_count(args, device), args.eval_async)
+            run.evaluate(evaluate, network.actor, eval_env, args.eval_episodes, device, seed=args.seed + 1000)
     if eval_env is not None:  # here, not in the block, which a stop can leave in the middle of an evaluation
         eval_env.close()
     return run.finish()  # final.pt, or latest.pt after a stop

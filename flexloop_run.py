@@ -553,6 +553,7 @@ class Run:
                 run.end_iteration()         the counters move on (False when a stop cut the updates short)
                 run.log_due() / run.log(metrics), run.evaluate_due() / run.evaluate(fn, ...), run.save_due()
                 run.evaluate_in_background(fn, ...) / run.log_background_evaluation(): training goes on meanwhile
+            if run.final_evaluation_owed: run.evaluate(fn, ...)   a run stopped in its final evaluation, resumed
         run.finish()               final.pt and how to evaluate it, or latest.pt and the command that resumes the run
 
     `script` is the module of the script (sys.modules[__name__]): the names this module's docstring lists.
@@ -613,6 +614,10 @@ class Run:
             self.last_metrics, self.wandb_id = checkpoint.get("metrics", {}), checkpoint.get("wandb_id")
             say(f"resuming {self.name} at iteration {self.iteration}/{self.total_iterations}, update {self.updates} "
                 "(what checkpoints do not hold starts afresh: the replay refills, the envs start new episodes)")
+        # A run stopped after its last update was stopped in its final evaluation: resumed, it evaluates again, once
+        # (a finished run's folder holds final.pt; resuming its latest.pt re-evaluates nothing).
+        self.final_evaluation_owed = (checkpoint is not None and self.iteration == self.total_iterations
+                                      and not (self.dir / "final.pt").exists())
         self.wandb_run = None
         if args.track:  # W&B keeps its files in ./wandb (or $WANDB_DIR), where `wandb sync` looks
             import wandb

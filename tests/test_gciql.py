@@ -588,6 +588,34 @@ def test_a_stop_during_an_evaluation_saves_latest_and_closes_the_eval_envs(data_
     assert closed == [True]
 
 
+def test_a_run_stopped_in_its_final_evaluation_evaluates_again_when_resumed(data_dir, tmp_path, monkeypatch):
+    """Seen on a GPU: a stop in the final evaluation saved latest.pt after the last update, and --resume then wrote
+    final.pt at once, with no final evaluation in metrics.jsonl. Resumed, the run evaluates its last weights, once."""
+    real_evaluate, calls = gciql.evaluate, []
+
+    def stopped_in_the_final_evaluation(actor, vector_env, episodes, device, seed=0):
+        calls.append(seed)
+        if len(calls) == 2:  # the phase change's evaluation runs; the final one is stopped
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        return real_evaluate(actor, vector_env, episodes, device, seed=seed)
+    monkeypatch.setattr(gciql, "evaluate", stopped_in_the_final_evaluation)
+    run_dir = Path(gciql.train(tiny_args(data_dir, tmp_path)))
+    assert not (run_dir / "final.pt").exists()
+    assert flexloop_run.load_checkpoint(run_dir / "latest.pt")["iteration"] == 12  # after the last update
+
+    monkeypatch.setattr(gciql, "evaluate", real_evaluate)
+    gciql.train(gciql.Args(resume=str(run_dir / "latest.pt")))
+    evaluated = [r["global_step"] for r in read_metrics(run_dir) if "eval/success_depth_1" in r]
+    assert evaluated == [6, 12]  # the phase change's, then the final one
+    assert "eval/success_depth_2" in flexloop_run.load_checkpoint(run_dir / "final.pt")["metrics"]
+
+    def never(*args, **kwargs):
+        raise AssertionError("a finished run's folder holds final.pt: resuming its latest.pt evaluates nothing")
+    monkeypatch.setattr(gciql, "evaluate", never)
+    gciql.train(gciql.Args(resume=str(run_dir / "latest.pt")))
+
+
 def test_eval_workers_die_on_sigterm_and_leave_ctrl_c_to_the_parent():
     """A forked worker does not keep a training run's signal handlers: SIGTERM ends it (the parent's exit waits
     for its workers), and Ctrl-C, which a terminal sends to every process of the group, is the parent's to act on."""
