@@ -145,6 +145,26 @@ def test_sigterm_saves_latest_and_exits_then_resume_continues_steps_metrics_and_
     assert (ROOT / synced.group(1)).resolve().parent == (tmp_path / "wandb").resolve()  # plain `wandb sync`'s place
 
 
+@pytest.mark.parametrize("script", ["gcdqn", "gcppo"])
+def test_a_run_stopped_in_its_final_evaluation_evaluates_once_more_when_resumed(tmp_path, script):
+    """What a stop in the final evaluation leaves: latest.pt after the last update, and neither final.pt nor the
+    final evaluation in metrics.jsonl (tests/test_gciql.py makes that stop for real). Resumed, the run evaluates
+    once, then writes final.pt."""
+    module, eval_key = SCRIPTS[script], "eval/train/success_depth_1"
+    run_dir = Path(module.train(script_args(script, tmp_path)))
+    (run_dir / "final.pt").rename(run_dir / "latest.pt")
+    records = read_metrics(run_dir)
+    last_step = records[-1]["global_step"]
+    kept = [r for r in records if not (eval_key in r and r["global_step"] == last_step)]
+    assert len(kept) < len(records)  # the final evaluation was there to drop
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    module.train(module.Args(resume=str(run_dir / "latest.pt")))
+    evaluated = [r["global_step"] for r in read_metrics(run_dir) if eval_key in r]
+    assert evaluated[-1] == last_step and evaluated.count(last_step) == 1
+    assert flexloop_run.load_checkpoint(run_dir / "final.pt")["global_step"] == last_step
+
+
 @pytest.mark.slow
 def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, uninterrupted):
     """SIGKILL leaves no chance to save: the run resumes from the last periodic latest.pt (every 2 intervals), and
