@@ -23,6 +23,7 @@ import copy
 import math
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -801,6 +802,7 @@ def train(args: Args):
     collect = run.graphed(run_episode, [generators["actions"], env.generator], network, env, args.depth,
                           generators["actions"], run.compiled(network.policy_logits))
     updates_by_phase = {}  # one update per phase: a phase with lambda = 0 needs no gradient at untaken actions
+    evaluate_now = partial(evaluate, network, eval_envs)
 
     with run:
         while run.running():
@@ -828,10 +830,9 @@ def train(args: Args):
                          "charts/train_success": success.mean(),
                          "charts/cells_changed": cells_changed(observations, lengths).float().mean()})
             if run.evaluate_due():
-                run.evaluate(evaluate, network, eval_envs, args.seed + 1000)
+                run.evaluate(evaluate_now, args.seed + 1000)
             run.save_due()
-        if run.final_evaluation_owed:  # resumed after a stop in the final evaluation
-            run.evaluate(evaluate, network, eval_envs, args.seed + 1000)
+        run.evaluate_if_owed(evaluate_now, args.seed + 1000)  # resumed after a stop in the final evaluation
     return run.finish()  # final.pt, or latest.pt after a stop
 
 

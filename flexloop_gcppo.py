@@ -825,8 +825,7 @@ def train(args: Args):
     minibatch_index = torch.zeros(batch_size // args.num_minibatches, dtype=torch.long, device=device)
     episode_sums = torch.zeros(4, device=device)  # finished episodes: count, successes, returns, lengths
 
-    # Phases: IRU-K pretraining (lambda = 0, GAE value targets) unless a pretrained network was given, then
-    # FlexLoop. Budgets are whole rollouts. From the flags, not run.init: a resumed run started from one has none.
+    # Phases in whole rollouts. From the flags, not run.init: a resumed run started from a checkpoint has none.
     phases = [("pretrain", (0 if args.init_checkpoint else args.pretrain_timesteps) // batch_size, 0.0),
               ("flexloop", args.total_timesteps // batch_size, args.lambda_depth)]
     parts = {"model": network, "teacher_model": teacher, "optimizer": optimizer}
@@ -881,8 +880,7 @@ def train(args: Args):
             if run.evaluate_due():
                 run.evaluate(evaluate_now, args.seed + 1000)
             run.save_due()
-        if run.final_evaluation_owed:  # resumed after a stop in the final evaluation
-            run.evaluate(evaluate_now, args.seed + 1000)
+        run.evaluate_if_owed(evaluate_now, args.seed + 1000)  # resumed after a stop in the final evaluation
     return run.finish()  # final.pt, or latest.pt after a stop
 
 

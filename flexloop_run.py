@@ -553,7 +553,7 @@ class Run:
                 run.end_iteration()         the counters move on (False when a stop cut the updates short)
                 run.log_due() / run.log(metrics), run.evaluate_due() / run.evaluate(fn, ...), run.save_due()
                 run.evaluate_in_background(fn, ...) / run.log_background_evaluation(): training goes on meanwhile
-            if run.final_evaluation_owed: run.evaluate(fn, ...)   a run stopped in its final evaluation, resumed
+            run.evaluate_if_owed(fn, ...)   a run stopped in its final evaluation, resumed, evaluates again
         run.finish()               final.pt and how to evaluate it, or latest.pt and the command that resumes the run
 
     `script` is the module of the script (sys.modules[__name__]): the names this module's docstring lists.
@@ -788,6 +788,11 @@ class Run:
         self.record_evaluation({"phase": self.phase_of(self.iteration - 1)[0], **results}, self.iteration)
         self.clock = time.perf_counter()
         return results
+
+    def evaluate_if_owed(self, evaluate, *args, **kwargs):
+        """evaluate as Run.evaluate does, in a run resumed after a stop in its final evaluation; else nothing."""
+        if self.final_evaluation_owed:
+            self.evaluate(evaluate, *args, **kwargs)
 
     def evaluate_in_background(self, evaluate, *args, **kwargs):
         """evaluate(*args, **kwargs) in a thread while training goes on, one at a time (the last one is logged first,
