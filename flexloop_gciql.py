@@ -776,6 +776,11 @@ def run_episodes(policy_fn, vector_env, task_ids, episodes, num_policies, seed, 
     return success.reshape(num_policies, len(task_ids), episodes)
 
 
+def cpu_copy(actor):
+    """A frozen CPU copy for a background evaluation: its steps never wait behind the updates queued on a GPU."""
+    return copy.deepcopy(actor).requires_grad_(False).cpu()
+
+
 def evaluate(actor, vector_env, episodes, device, seed=0, progress=False):
     """Success of every depth 1..K on every task: eval/task_<t>/success_depth_<k>, and the mean over tasks
     eval/success_depth_<k>."""
@@ -856,6 +861,10 @@ def train(args: Args):
     lambda_depth_now = None
 
     with run:
+        if run.unfinished_evaluation is not None:  # a stop came during a background evaluation: those weights first
+            eval_env = make_eval_vector_env(args.env_name, eval_env_count(args, device), args.eval_async)
+            run.evaluate_unfinished_in_background(evaluate, cpu_copy(network.actor), eval_env, args.eval_episodes,
+                                                  torch.device("cpu"), seed=args.seed + 1000)
         while run.running():
             phase, lam = run.phase()
             if lam != lambda_depth_now:  # a fill on the device at phase changes only: an iteration is one update
@@ -874,10 +883,9 @@ def train(args: Args):
             if args.eval_episodes > 0 and run.evaluate_due():
                 eval_env = eval_env or make_eval_vector_env(args.env_name, eval_env_count(args, device),
                                                             args.eval_async)
-                if args.eval_in_background:  # a CPU copy: its steps never wait behind the updates queued on a GPU
-                    actor = copy.deepcopy(network.actor).requires_grad_(False).cpu()
-                    run.evaluate_in_background(evaluate, actor, eval_env, args.eval_episodes, torch.device("cpu"),
-                                               seed=args.seed + 1000)
+                if args.eval_in_background:
+                    run.evaluate_in_background(evaluate, cpu_copy(network.actor), eval_env, args.eval_episodes,
+                                               torch.device("cpu"), seed=args.seed + 1000)
                 else:
                     run.evaluate(evaluate, network.actor, eval_env, args.eval_episodes, device, seed=args.seed + 1000)
             run.save_due()

@@ -275,10 +275,11 @@ def load_checkpoint(path, algorithm=None):
 
 
 def slim_checkpoint(source, destination):
-    """Copy a checkpoint with the network's weights alone, to share or commit it: the optimiser, the target network
-    and any frozen helper network (pretrained_model, teacher_model) are left out, the run's flags, step counts, RNG
-    state and last metrics kept. Evaluation and --init-checkpoint read it as they read the full one (GC-IQL's target
-    critic then starts from the critic); --resume does not take it. Returns the parts left out that held something."""
+    """Copy a checkpoint with the network's weights alone, to share or commit it: the optimiser, the target network,
+    any frozen helper network (pretrained_model, teacher_model) and an unfinished background evaluation's weights are
+    left out, the run's flags, step counts, RNG state and last metrics kept. Evaluation and --init-checkpoint read it
+    as they read the full one (GC-IQL's target critic then starts from the critic); --resume does not take it.
+    Returns the parts left out that held something."""
     source, destination = Path(source), Path(destination)
     if destination.exists():
         if destination.resolve() == source.resolve():
@@ -286,7 +287,8 @@ def slim_checkpoint(source, destination):
                              "so the full one (optimiser and target network, which resuming needs) is kept")
         raise FileExistsError(f"{destination} exists; remove it or choose another path")
     checkpoint = load_checkpoint(source)
-    dropped = [key for key in checkpoint if key == "optimizer" or (key.endswith("_model") and key != "model")]
+    dropped = [key for key in checkpoint
+               if key in ("optimizer", "unfinished_evaluation") or (key.endswith("_model") and key != "model")]
     destination.parent.mkdir(parents=True, exist_ok=True)
     save_checkpoint(destination, {key: value for key, value in checkpoint.items() if key not in dropped})
     return [key for key in dropped if checkpoint[key] is not None]  # a part the run did not use is saved as None
@@ -546,6 +548,7 @@ class Run:
         run = Run(script, args)    flags checked (a resumed run's own), checkpoints read, device, seeds; no files yet
         run.begin(...)             run folder, W&B, metrics log, state restored on --resume, stop signals, progress
         with run:                  closes the log, W&B and the progress bar whatever happens
+            run.evaluate_unfinished_in_background(fn, ...)   if run.unfinished_evaluation: one a stop cut off
             while run.running():   until the last iteration, or a stop (SIGTERM, Ctrl-C)
                 run.phase()                 (phase, lambda_depth) of this iteration
                 with run.interruptible():   collection: a stop ends it at once
@@ -602,7 +605,7 @@ class Run:
             raise PermissionError(f"run folder {self.dir} is not writable; point --run-dir at a writable folder")
         self.iteration = self.global_step = self.updates = self.iteration_updates = 0
         self.last_metrics, self.wandb_id = {}, None
-        self.background = None  # evaluate_in_background's thread, its outcome, the step and iteration it evaluates
+        self.background = None  # evaluate_in_background's thread, outcome, step and iteration evaluated, weights
         if checkpoint is not None:
             for name, part in parts.items():
                 if part is not None and checkpoint.get(name) is not None:
@@ -614,10 +617,12 @@ class Run:
             self.last_metrics, self.wandb_id = checkpoint.get("metrics", {}), checkpoint.get("wandb_id")
             say(f"resuming {self.name} at iteration {self.iteration}/{self.total_iterations}, update {self.updates} "
                 "(what checkpoints do not hold starts afresh: the replay refills, the envs start new episodes)")
+        # A stop during a background evaluation leaves its weights in latest.pt, to be evaluated when resumed.
+        self.unfinished_evaluation = checkpoint.get("unfinished_evaluation") if checkpoint else None
         # A run stopped after its last update was stopped in its final evaluation: resumed, it evaluates again, once
         # (a finished run's folder holds final.pt; resuming its latest.pt re-evaluates nothing).
         self.final_evaluation_owed = (checkpoint is not None and self.iteration == self.total_iterations
-                                      and not (self.dir / "final.pt").exists())
+                                      and not (self.dir / "final.pt").exists() and self.unfinished_evaluation is None)
         self.wandb_run = None
         if args.track:  # W&B keeps its files in ./wandb (or $WANDB_DIR), where `wandb sync` looks
             import wandb
@@ -794,39 +799,53 @@ class Run:
         if self.final_evaluation_owed:
             self.evaluate(evaluate, *args, **kwargs)
 
-    def evaluate_in_background(self, evaluate, *args, **kwargs):
-        """evaluate(*args, **kwargs) in a thread while training goes on, one at a time (the last one is logged first,
-        waited for if it still runs). Pass it what training must not change under it: a copy of the weights. It is
+    def evaluate_in_background(self, evaluate, model, *args, **kwargs):
+        """evaluate(model, *args, **kwargs) in a thread while training goes on, one at a time (the last one is logged
+        first, waited for if it still runs). `model` is a copy of the weights, which training must not change under
+        it; a checkpoint written while the evaluation runs holds them (see evaluate_unfinished_in_background). It is
         logged when it ends (log_background_evaluation), with charts/evaluated_step, the step it evaluated, which
         W&B plots its eval/* against."""
         self.log_background_evaluation(wait=True)
+        taken = {"phase": self.phase_of(self.iteration - 1)[0], "charts/evaluated_step": self.global_step}
+        self.start_background(evaluate, model, args, kwargs, taken, self.iteration)
+
+    def evaluate_unfinished_in_background(self, evaluate, model, *args, **kwargs):
+        """In a run resumed from a checkpoint written during a background evaluation (a stop, or a periodic save):
+        that evaluation again, of the same weights, loaded into `model`, and logged with the step they were taken
+        at. Call it before the training loop, once run.unfinished_evaluation says there is one."""
+        unfinished, self.unfinished_evaluation = self.unfinished_evaluation, None
+        model.load_state_dict(unfinished["weights"])
+        self.start_background(evaluate, model, args, kwargs, unfinished["taken"], unfinished["iteration"])
+
+    def start_background(self, evaluate, model, args, kwargs, taken, iteration):
+        """The thread of a background evaluation, whose record will carry `taken`."""
         if self.wandb_run is not None:
             self.wandb_run.define_metric("eval/*", step_metric="charts/evaluated_step")
-        taken = {"phase": self.phase_of(self.iteration - 1)[0], "charts/evaluated_step": self.global_step}
         outcome = {}
 
         def evaluate_apart():
             try:
-                outcome["results"] = evaluate(*args, **kwargs)
+                outcome["results"] = evaluate(model, *args, **kwargs)
             except BaseException as error:  # raised again in the training loop
                 outcome["error"] = error
 
         thread = threading.Thread(target=evaluate_apart, name="evaluation", daemon=True)
         thread.start()
-        self.background = (thread, outcome, taken, self.iteration)
+        self.background = (thread, outcome, taken, iteration, model)
 
     def log_background_evaluation(self, wait=False):
         """The background evaluation's metrics, logged once it has ended (with wait, once it ends); an error in it is
-        raised here, except in a stopped run. A stopped run does not wait: its last evaluation goes unlogged."""
+        raised here, except in a stopped run. A stopped run does not wait: its last evaluation goes unlogged, and
+        latest.pt keeps its weights to evaluate when resumed."""
         if self.background is None or (self.background[0].is_alive() and not wait):
             return
-        thread, outcome, taken, iteration = self.background
+        thread, outcome, taken, iteration, _ = self.background
         thread.join()
-        self.background = None
         if "error" in outcome:
             if self.stop.reason is not None:  # the stop's SIGTERM ended the evaluation's env workers too (one
                 return                        # process group); raising would lose the latest.pt it is writing
             raise outcome["error"]
+        self.background = None
         self.record_evaluation({**taken, **outcome["results"]}, iteration)
 
     def record_evaluation(self, results, iteration):
@@ -852,9 +871,16 @@ class Run:
             "run_name": self.name, "phase": self.phase_of(max(self.iteration - 1, 0))[0],
             "iteration": self.iteration, "iteration_updates": self.iteration_updates,
             "global_step": self.global_step, "updates": self.updates, "rng": rng_state(self.generators),
-            "metrics": self.last_metrics, "wandb_id": self.wandb_id,
+            "metrics": self.last_metrics, "wandb_id": self.wandb_id, "unfinished_evaluation": self.unfinished(),
             **{name: None if part is None else part.state_dict() for name, part in self.parts.items()}})
         self.last_save = time.perf_counter()
+
+    def unfinished(self):
+        """The background evaluation not yet logged, for a checkpoint: the step and iteration, and the weights."""
+        if self.background is None:
+            return None
+        _, _, taken, iteration, model = self.background
+        return {"taken": taken, "iteration": iteration, "weights": model.state_dict()}
 
     def finish(self):
         """final.pt and the command that evaluates it when the run is complete; when it was stopped, latest.pt and

@@ -553,10 +553,15 @@ def test_wandb_draws_background_evaluations_at_the_update_they_evaluated(data_di
     assert [r["charts/evaluated_step"] for r in logged if "eval/success_depth_1" in r] == [6, 12]
 
 
-def test_a_stop_during_a_background_evaluation_saves_latest_without_waiting_for_it(data_dir, tmp_path, monkeypatch):
-    """SIGTERM while an evaluation runs in the background: the run writes latest.pt at once and leaves the
-    evaluation unlogged (the next due one covers it after --resume)."""
+def test_a_stop_during_a_background_evaluation_saves_latest_at_once_and_the_resumed_run_evaluates_it(
+        data_dir, tmp_path, monkeypatch):
+    """SIGTERM while an evaluation runs in the background: the run writes latest.pt at once, the evaluation
+    unlogged. Seen on a GPU: scene-play's evaluations, minutes long, were lost at every stop. latest.pt holds the
+    weights being evaluated, and the resumed run evaluates them first, logged at the update they were taken."""
+    real_evaluate, evaluated_weights = gciql.evaluate, []
+
     def stopped_while_evaluating(actor, vector_env, episodes, device, seed=0):
+        evaluated_weights.append(copy.deepcopy(actor.state_dict()))
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)
     monkeypatch.setattr(gciql, "evaluate", stopped_while_evaluating)
@@ -565,6 +570,50 @@ def test_a_stop_during_a_background_evaluation_saves_latest_without_waiting_for_
     assert time.perf_counter() - start < 20
     assert (run_dir / "latest.pt").exists() and not (run_dir / "final.pt").exists()
     assert not any("eval/success_depth_1" in r for r in read_metrics(run_dir))
+    checkpoint = flexloop_run.load_checkpoint(run_dir / "latest.pt")
+    assert checkpoint["unfinished_evaluation"]["taken"]["charts/evaluated_step"] == 4
+
+    def recording(actor, *args, **kwargs):
+        evaluated_weights.append(copy.deepcopy(actor.state_dict()))
+        return real_evaluate(actor, *args, **kwargs)
+    monkeypatch.setattr(gciql, "evaluate", recording)
+    gciql.train(gciql.Args(resume=str(run_dir / "latest.pt")))
+    rows = [r for r in read_metrics(run_dir) if "eval/success_depth_1" in r]
+    assert [r["charts/evaluated_step"] for r in rows] == [4, 6, 8, 12]  # the unfinished one first, then as due
+    for name, value in evaluated_weights[0].items():  # the weights the stop cut off, not the resumed run's
+        assert torch.equal(evaluated_weights[1][name], value), name
+    assert not torch.equal(evaluated_weights[2]["iru.gates.weight"], evaluated_weights[0]["iru.gates.weight"])
+    slim = tmp_path / "slim.pt"
+    flexloop_run.slim_checkpoint(run_dir / "latest.pt", slim)
+    assert "unfinished_evaluation" not in flexloop_run.load_checkpoint(slim)
+
+
+def test_a_run_stopped_in_its_final_background_evaluation_evaluates_it_once_when_resumed(data_dir, tmp_path,
+                                                                                          monkeypatch):
+    """The final evaluation cut off in the background: latest.pt is at the last update and holds the weights. The
+    resumed run evaluates them once (not again as a final evaluation owed), then writes final.pt."""
+    run_dir = Path(gciql.train(tiny_args(data_dir, tmp_path, eval_in_background=True)))
+    finished = flexloop_run.load_checkpoint(run_dir / "final.pt")
+    actor = {name[len("actor."):]: value for name, value in finished["model"].items() if name.startswith("actor.")}
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if "eval/success_depth_1" not in
+                                                   json.loads(line) or json.loads(line)["charts/evaluated_step"] < 12))
+    stopped = {**finished, "unfinished_evaluation": {"taken": {"phase": "flexloop", "charts/evaluated_step": 12},
+                                                     "iteration": 12, "weights": actor}}
+    flexloop_run.save_checkpoint(run_dir / "latest.pt", stopped)
+    (run_dir / "final.pt").unlink()
+
+    real_evaluate, calls = gciql.evaluate, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real_evaluate(*args, **kwargs)
+    monkeypatch.setattr(gciql, "evaluate", counted)
+    gciql.train(gciql.Args(resume=str(run_dir / "latest.pt")))
+    assert calls == [1]
+    rows = [r for r in read_metrics(run_dir) if "eval/success_depth_1" in r]
+    assert [r["charts/evaluated_step"] for r in rows] == [6, 12]
+    assert flexloop_run.load_checkpoint(run_dir / "final.pt")["unfinished_evaluation"] is None
 
 
 def test_a_stop_during_an_evaluation_saves_latest_and_closes_the_eval_envs(data_dir, tmp_path, monkeypatch):

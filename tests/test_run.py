@@ -127,8 +127,8 @@ def test_a_slim_checkpoint_acts_as_the_full_one_and_keeps_what_evaluation_needs(
     assert sorted(left_out) == ["optimizer", "target_model"]  # and pretrained_model, None outside Distill Only
     assert full_path.read_bytes() == full_bytes  # the full checkpoint is untouched
     full, slim = flexloop_run.load_checkpoint(full_path), flexloop_run.load_checkpoint(slim_path, "gcdqn")
-    assert full["pretrained_model"] is None
-    assert set(full) - set(slim) == {"optimizer", "target_model", "pretrained_model"}
+    assert full["pretrained_model"] is None and full["unfinished_evaluation"] is None
+    assert set(full) - set(slim) == {"optimizer", "target_model", "pretrained_model", "unfinished_evaluation"}
     for key in ("args", "rng", "updates", "global_step", "metrics", "run_name"):
         assert repr(slim[key]) == repr(full[key]), key
     obs_goal = torch.randint(0, 12, (2, 5, 36)).float()
@@ -205,22 +205,23 @@ def test_gcppo_says_what_it_trains_on_and_what_it_evaluates():
     assert "train (1-9 presses)" in text and "unseen (10-19 presses)" in text
 
 
-def test_a_stop_drops_a_background_evaluation_that_it_broke_and_no_stop_raises_its_error():
+def test_a_stop_keeps_a_background_evaluation_that_it_broke_and_no_stop_raises_its_error():
     """SIGTERM to a run's process group also ends its evaluation's env workers, so the evaluation thread fails with
-    them. Seen on a GPU: that error, raised after the stop, lost the latest.pt the stop was writing. An evaluation
-    that had finished before the stop is still logged."""
+    them. Seen on a GPU: that error, raised after the stop, lost the latest.pt the stop was writing. The broken
+    evaluation stays unlogged and pending, for latest.pt to hold its weights; one that had finished before the stop
+    is still logged."""
     def ended_evaluation(outcome):
         thread = threading.Thread(target=lambda: None)
         thread.start()
         thread.join()
-        return (thread, outcome, {"charts/evaluated_step": 7}, 7)
+        return (thread, outcome, {"charts/evaluated_step": 7}, 7, torch.nn.Linear(1, 1))
 
     failed = {"error": RuntimeError("an OGBench evaluation worker failed")}
     logged = []
     stopped = SimpleNamespace(background=ended_evaluation(failed), stop=SimpleNamespace(reason="SIGTERM"),
                               record_evaluation=lambda results, iteration: logged.append(results))
     flexloop_run.Run.log_background_evaluation(stopped)
-    assert stopped.background is None and logged == []
+    assert stopped.background is not None and logged == []
     stopped.background = ended_evaluation({"results": {"eval/success_depth_1": 0.5}})
     flexloop_run.Run.log_background_evaluation(stopped)
     assert logged == [{"charts/evaluated_step": 7, "eval/success_depth_1": 0.5}]
