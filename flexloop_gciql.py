@@ -24,6 +24,7 @@ import copy
 import math
 import sys
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Literal, NamedTuple, Optional
 
@@ -858,11 +859,12 @@ def train(args: Args):
     run.begin(phases, parts, generators, loss_sums, steps_per_iteration=1, updates_per_iteration=1,
               progress="updates")
     graphed_update, eval_env = None, None  # the evaluation vector env is made at the first evaluation, then kept
+    open_eval_env = partial(make_eval_vector_env, args.env_name, eval_env_count(args, device), args.eval_async)
     lambda_depth_now = None
 
     with run:
         if run.unfinished_evaluation is not None:  # a stop came during a background evaluation: those weights first
-            eval_env = make_eval_vector_env(args.env_name, eval_env_count(args, device), args.eval_async)
+            eval_env = open_eval_env()
             run.evaluate_unfinished_in_background(evaluate, cpu_copy(network.actor), eval_env, args.eval_episodes,
                                                   torch.device("cpu"), seed=args.seed + 1000)
         while run.running():
@@ -881,8 +883,7 @@ def train(args: Args):
                 run.log({"charts/lambda_depth": lam})
             run.log_background_evaluation()
             if args.eval_episodes > 0 and run.evaluate_due():
-                eval_env = eval_env or make_eval_vector_env(args.env_name, eval_env_count(args, device),
-                                                            args.eval_async)
+                eval_env = eval_env or open_eval_env()
                 if args.eval_in_background:
                     run.evaluate_in_background(evaluate, cpu_copy(network.actor), eval_env, args.eval_episodes,
                                                torch.device("cpu"), seed=args.seed + 1000)
@@ -892,7 +893,7 @@ def train(args: Args):
         if run.stop.reason is None:
             run.log_background_evaluation(wait=True)  # logged before final.pt holds the metrics
         if args.eval_episodes > 0 and run.final_evaluation_owed:  # resumed after a stop in the final evaluation
-            eval_env = make_eval_vector_env(args.env_name, eval_env_count(args, device), args.eval_async)
+            eval_env = eval_env or open_eval_env()
             run.evaluate(evaluate, network.actor, eval_env, args.eval_episodes, device, seed=args.seed + 1000)
     if eval_env is not None:  # here, not in the block, which a stop can leave in the middle of an evaluation
         eval_env.close()
