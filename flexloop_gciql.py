@@ -608,8 +608,12 @@ def on_cuda_streams(branches, device):
 
 
 def bf16_autocast(args, device):
-    """The update's autocast: bf16 under --bf16 on a GPU; none on a CPU, where bf16 is slower than float32."""
-    return torch.autocast(device.type, torch.bfloat16, enabled=args.bf16 and device.type == "cuda")
+    """The update's autocast: bf16 under --bf16 on a GPU; none on a CPU, where bf16 is slower than float32.
+    Without autocast's cache of cast weights: the cache is shared across CUDA streams, so the critic branch could
+    read the value net's cast before the value branch's stream wrote it, and CUDA graph capture asks for it off.
+    Compiled branches cast inside their own kernels and never used it."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=args.bf16 and device.type == "cuda",
+                          cache_enabled=False)
 
 
 def make_update(args, network, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,

@@ -741,11 +741,12 @@ def test_prefetched_batches_train_as_batches_sampled_in_place(data_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams need a GPU")
-def test_prefetch_on_its_cuda_stream_trains_as_sampling_in_place(data_dir):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_prefetch_on_its_cuda_stream_trains_as_sampling_in_place(data_dir, bf16):
     """On a GPU the next batch is sampled on a stream of its own inside the captured update (what train() runs
     with --cuda-streams): the same weights and loss sums as sampling in place, one stream, captured."""
     device = torch.device("cuda")
-    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", depth=3, hidden_dim=32, cuda=True))
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", depth=3, hidden_dim=32, cuda=True, bf16=bf16))
     dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False, device=device)
     in_place = train_updates(args, dataset, device, captured=True)
     streams = train_updates(args, dataset, device, captured=True, prefetch=True,
@@ -756,11 +757,12 @@ def test_prefetch_on_its_cuda_stream_trains_as_sampling_in_place(data_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams need a GPU")
-def test_loss_branches_on_cuda_streams_train_as_on_one_stream(data_dir):
+@pytest.mark.parametrize("bf16", [False, True])
+def test_loss_branches_on_cuda_streams_train_as_on_one_stream(data_dir, bf16):
     """--cuda-streams: the value, critic and actor branches on three streams, the update captured in a CUDA
-    graph, give the weights and loss sums of the same update on one stream."""
+    graph, give the weights and loss sums of the same update on one stream, in TF32 and under bf16 autocast."""
     device = torch.device("cuda")
-    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", depth=3, hidden_dim=32, cuda=True))
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", depth=3, hidden_dim=32, cuda=True, bf16=bf16))
     dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False, device=device)
     weights, sums = train_updates(args, dataset, device, captured=True)
     stream_weights, stream_sums = train_updates(args, dataset, device, captured=True,
