@@ -1001,6 +1001,17 @@ def test_bf16_is_the_default_on_a_gpu_and_a_cpu_update_stays_float32(data_dir, t
     assert all(torch.equal(a, b) for a, b in zip(half["after"], full["after"]))
 
 
+def test_update_autocast_keeps_no_cache_of_cast_weights(data_dir):
+    """Autocast's cache of cast weights is shared by the CUDA streams of --cuda-streams, where a branch could read
+    another stream's cast before it is written, and CUDA graph capture asks for it off: the update's autocast
+    turns it off (it does so on any device, so a CPU checks the rule)."""
+    args = tiny_args(data_dir, "unused", bf16=True)
+    assert torch.is_autocast_cache_enabled()  # torch's default
+    with gciql.bf16_autocast(args, torch.device("cpu")):
+        assert not torch.is_autocast_cache_enabled()
+    assert torch.is_autocast_cache_enabled()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_bf16_on_a_gpu_trains_in_bf16_close_to_float32(data_dir, tmp_path):
     """On a GPU, --bf16 (the default) does change the update's arithmetic, and its losses only by bf16's rounding."""
