@@ -812,13 +812,18 @@ class Run:
     def evaluate_unfinished_in_background(self, evaluate, model, *args, **kwargs):
         """In a run resumed from a checkpoint written during a background evaluation (a stop, or a periodic save):
         that evaluation again, of the same weights, loaded into `model`, and logged with the step they were taken
-        at. Call it before the training loop, once run.unfinished_evaluation says there is one."""
+        at. Call it before the training loop, once run.unfinished_evaluation says there is one. The thread starts
+        at the next log_background_evaluation, after the loop's first update: compiling that update traces every
+        module call, and an evaluation running meanwhile failed (an H100, 2026-12-07: "module is not installed as
+        a submodule")."""
         unfinished, self.unfinished_evaluation = self.unfinished_evaluation, None
         model.load_state_dict(unfinished["weights"])
-        self.start_background(evaluate, model, args, kwargs, unfinished["taken"], unfinished["iteration"])
+        self.start_background(evaluate, model, args, kwargs, unfinished["taken"], unfinished["iteration"],
+                              start=False)
 
-    def start_background(self, evaluate, model, args, kwargs, taken, iteration):
-        """The thread of a background evaluation, whose record will carry `taken`."""
+    def start_background(self, evaluate, model, args, kwargs, taken, iteration, start=True):
+        """The thread of a background evaluation, whose record will carry `taken`; started now, or (start=False)
+        by the next log_background_evaluation."""
         if self.wandb_run is not None:
             self.wandb_run.define_metric("eval/*", step_metric="charts/evaluated_step")
         outcome = {}
@@ -830,14 +835,19 @@ class Run:
                 outcome["error"] = error
 
         thread = threading.Thread(target=evaluate_apart, name="evaluation", daemon=True)
-        thread.start()
+        if start:
+            thread.start()
         self.background = (thread, outcome, taken, iteration, model)
 
     def log_background_evaluation(self, wait=False):
         """The background evaluation's metrics, logged once it has ended (with wait, once it ends); an error in it is
         raised here, except in a stopped run. A stopped run does not wait: its last evaluation goes unlogged, and
         latest.pt keeps its weights to evaluate when resumed."""
-        if self.background is None or (self.background[0].is_alive() and not wait):
+        if self.background is None:
+            return
+        if self.background[0].ident is None:  # queued by evaluate_unfinished_in_background
+            self.background[0].start()
+        if self.background[0].is_alive() and not wait:
             return
         thread, outcome, taken, iteration, _ = self.background
         thread.join()

@@ -590,6 +590,42 @@ def test_a_stop_during_a_background_evaluation_saves_latest_at_once_and_the_resu
     assert "unfinished_evaluation" not in flexloop_run.load_checkpoint(slim)
 
 
+def test_the_resumed_run_starts_the_unfinished_evaluation_after_its_first_update(data_dir, tmp_path, monkeypatch):
+    """Seen on an H100: the resumed run's first update compiled while the unfinished evaluation ran in its thread,
+    and the compiler's tracing, which patches every module call, broke the evaluation ("module is not installed
+    as a submodule"). The evaluation waits for the first update. Here the first update is slow, so an evaluation
+    started before it would see no update done."""
+    real_make_update, real_evaluate, updates_done, updates_seen = gciql.make_update, gciql.evaluate, [], []
+
+    def stopped_while_evaluating(actor, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    monkeypatch.setattr(gciql, "evaluate", stopped_while_evaluating)
+    run_dir = Path(gciql.train(tiny_args(data_dir, tmp_path, eval_every=4, eval_in_background=True)))
+    assert flexloop_run.load_checkpoint(run_dir / "latest.pt")["unfinished_evaluation"] is not None
+
+    def slow_first_update(*args, **kwargs):
+        update = real_make_update(*args, **kwargs)
+
+        def counted():
+            if not updates_done:
+                time.sleep(1.0)
+            losses = update()
+            updates_done.append(1)
+            return losses
+        return counted
+
+    def recording(actor, *args, **kwargs):
+        updates_seen.append(len(updates_done))
+        return real_evaluate(actor, *args, **kwargs)
+    monkeypatch.setattr(gciql, "make_update", slow_first_update)
+    monkeypatch.setattr(gciql, "evaluate", recording)
+    gciql.train(gciql.Args(resume=str(run_dir / "latest.pt")))
+    assert updates_seen and updates_seen[0] >= 1
+    rows = [r for r in read_metrics(run_dir) if "eval/success_depth_1" in r]
+    assert [r["charts/evaluated_step"] for r in rows][:1] == [4]  # still logged with the step it was taken at
+
+
 def test_a_run_stopped_in_its_final_background_evaluation_evaluates_it_once_when_resumed(data_dir, tmp_path,
                                                                                           monkeypatch):
     """The final evaluation cut off in the background: latest.pt is at the last update and holds the weights. The
