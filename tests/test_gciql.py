@@ -554,7 +554,7 @@ def test_wandb_draws_background_evaluations_at_the_update_they_evaluated(data_di
 
 
 @pytest.mark.parametrize("cuda", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="on a GPU the resumed evaluation runs while the update is captured"))])
+    not torch.cuda.is_available(), reason="on a GPU the resumed run compiles and captures its update first"))])
 def test_a_stop_during_a_background_evaluation_saves_latest_at_once_and_the_resumed_run_evaluates_it(
         data_dir, tmp_path, monkeypatch, cuda):
     """SIGTERM while an evaluation runs in the background: the run writes latest.pt at once, the evaluation
