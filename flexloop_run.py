@@ -845,11 +845,11 @@ class Run:
         latest.pt keeps its weights to evaluate when resumed."""
         if self.background is None:
             return
-        if self.background[0].ident is None:  # queued by evaluate_unfinished_in_background
-            self.background[0].start()
-        if self.background[0].is_alive() and not wait:
-            return
         thread, outcome, taken, iteration, _ = self.background
+        if thread.ident is None:  # queued by evaluate_unfinished_in_background
+            thread.start()
+        if thread.is_alive() and not wait:
+            return
         thread.join()
         if "error" in outcome:
             if self.stop.reason is not None:  # the stop's SIGTERM ended the evaluation's env workers too (one
