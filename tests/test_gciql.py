@@ -829,6 +829,27 @@ def test_smoke_run_two_phases(smoke_run):
     assert flexloop_run.load_checkpoint(smoke_run / "pretrained.pt")["global_step"] == 6
 
 
+
+@pytest.mark.slow  # one episode of each task at each depth, twice, in real MuJoCo envs
+@pytest.mark.parametrize("env_name", ["cube-double-play-v0", "scene-play-v0", "puzzle-4x4-play-v0",
+                                      "antmaze-medium-stitch-v0"])
+def test_the_other_four_datasets_train_both_phases_and_evaluate(env_name, tmp_path):
+    """The smoke run above uses pointmaze; the protocol's other four datasets differ in their observations and
+    goals, in scene's and puzzle's button states and in their evaluation envs (antmaze generates with the
+    committed ant expert). Each trains both phases on tiny generated data and evaluates every task at each depth."""
+    ogbench_data.generate_dataset(env_name, str(tmp_path / "data"), episodes=2, episode_steps=40, progress=False)
+    args = tiny_args(tmp_path / "data", tmp_path / "runs", env_name=env_name, pretrain_steps=2, total_steps=2)
+    run_dir = Path(gciql.train(args))
+    records = read_metrics(run_dir)
+    evals = [r for r in records if "eval/success_depth_1" in r]
+    assert [(r["global_step"], r["phase"]) for r in evals] == [(2, "pretrain"), (4, "flexloop")]
+    for k in (1, 2):
+        for t in gciql.TASK_IDS:
+            assert evals[-1][f"eval/task_{t}/success_depth_{k}"] in (0.0, 1.0)
+    assert all(math.isfinite(v) for r in records for k, v in r.items() if k.startswith("losses/"))
+    checkpoint = flexloop_run.load_checkpoint(run_dir / "final.pt")
+    assert checkpoint["env_id"] == env_name and checkpoint["global_step"] == 4 and checkpoint["phase"] == "flexloop"
+
 def test_checkpoint_loads_in_a_fresh_process(smoke_run):
     checkpoint = flexloop_run.load_checkpoint(smoke_run / "final.pt")
     actor, _ = gciql.network_from_checkpoint(checkpoint)
