@@ -809,25 +809,29 @@ def test_loss_branches_on_cuda_streams_train_as_on_one_stream(data_dir, bf16):
     assert (sums != 0).all()
 
 
+def assert_evaluated_at_each_phase_end(records, pretrain_end, end):
+    """One evaluation as each phase ends, with every task's success at each of the 2 depths, and finite losses."""
+    evals = [r for r in records if "eval/success_depth_1" in r]
+    assert [(r["global_step"], r["phase"]) for r in evals] == [(pretrain_end, "pretrain"), (end, "flexloop")]
+    for k in (1, 2):
+        for t in gciql.TASK_IDS:
+            assert evals[-1][f"eval/task_{t}/success_depth_{k}"] in (0.0, 1.0)
+    assert all(math.isfinite(v) for r in records for k, v in r.items() if k.startswith("losses/"))
+
+
 def test_smoke_run_two_phases(smoke_run):
     assert {"pretrained.pt", "latest.pt", "final.pt", "metrics.jsonl"} <= {p.name for p in smoke_run.iterdir()}
     records = read_metrics(smoke_run)
     train_records = [r for r in records if "losses/critic_loss" in r]
     assert [(r["global_step"], r["phase"], r["charts/lambda_depth"]) for r in train_records] == \
         [(3, "pretrain", 0.0), (6, "pretrain", 0.0), (9, "flexloop", 0.3), (12, "flexloop", 0.3)]
-    evals = [r for r in records if "eval/success_depth_1" in r]
-    assert [(r["global_step"], r["phase"]) for r in evals] == [(6, "pretrain"), (12, "flexloop")]
-    for k in (1, 2):
-        for t in gciql.TASK_IDS:
-            assert evals[-1][f"eval/task_{t}/success_depth_{k}"] in (0.0, 1.0)
-    assert all(math.isfinite(v) for r in train_records for k, v in r.items() if k.startswith("losses/"))
+    assert_evaluated_at_each_phase_end(records, pretrain_end=6, end=12)
 
     checkpoint = flexloop_run.load_checkpoint(smoke_run / "final.pt")
     assert checkpoint["global_step"] == 12 and checkpoint["phase"] == "flexloop"
     assert checkpoint["env_id"] == PM and checkpoint["depth"] == 2 and checkpoint["algorithm"] == "gciql"
     assert checkpoint["args"]["lambda_depth"] == 0.3 and checkpoint["args"]["alpha"] == 0.003
     assert flexloop_run.load_checkpoint(smoke_run / "pretrained.pt")["global_step"] == 6
-
 
 
 @pytest.mark.slow  # one episode of each task at each depth, twice, in real MuJoCo envs
@@ -841,14 +845,10 @@ def test_the_other_four_datasets_train_both_phases_and_evaluate(env_name, tmp_pa
     args = tiny_args(tmp_path / "data", tmp_path / "runs", env_name=env_name, pretrain_steps=2, total_steps=2)
     run_dir = Path(gciql.train(args))
     records = read_metrics(run_dir)
-    evals = [r for r in records if "eval/success_depth_1" in r]
-    assert [(r["global_step"], r["phase"]) for r in evals] == [(2, "pretrain"), (4, "flexloop")]
-    for k in (1, 2):
-        for t in gciql.TASK_IDS:
-            assert evals[-1][f"eval/task_{t}/success_depth_{k}"] in (0.0, 1.0)
-    assert all(math.isfinite(v) for r in records for k, v in r.items() if k.startswith("losses/"))
+    assert_evaluated_at_each_phase_end(records, pretrain_end=2, end=4)
     checkpoint = flexloop_run.load_checkpoint(run_dir / "final.pt")
     assert checkpoint["env_id"] == env_name and checkpoint["global_step"] == 4 and checkpoint["phase"] == "flexloop"
+
 
 def test_checkpoint_loads_in_a_fresh_process(smoke_run):
     checkpoint = flexloop_run.load_checkpoint(smoke_run / "final.pt")
