@@ -10,10 +10,10 @@ Q(s, g, a) (an ensemble of 2) and the actor, all trained at the full depth K:
     actor   -Q(s, g, clip(mu)) / sg(mean |Q|) - alpha * log pi(a | s, g)      (DDPG+BC, std fixed at 1)
 Only the actor is depth-elastic. FlexLoop adds lambda_depth * mean_{k<K} D~(sg[pi_{k+1}] || pi_k) with the
 normalised Gaussian KL (see `IRUActor.divergence`)
-    D~(p || q) = (1/|A|) sum_j (mu_p,j - mu_q,j)^2 / (2 sigma_p,j^2),
-the KL between N(mu_p, sigma_p^2) and N(mu_q, sigma_p^2): the student's std is replaced by the (detached)
-teacher's, so the student cannot shrink the loss by inflating its own scale, and it is averaged over action
-dimensions so that one lambda serves datasets with 2 to 8 action dimensions.
+    D~(p || q) = (1/|A|) sum_j (tanh mu_p,j - tanh mu_q,j)^2 / (2 sigma_p,j^2),
+the KL between N(tanh mu_p, sigma_p^2) and N(tanh mu_q, sigma_p^2): the means squashed into the action range, and
+the student's std replaced by the (detached) teacher's, so the student cannot shrink the loss by inflating its own
+scale; averaged over action dimensions so that one lambda serves datasets with 2 to 8 action dimensions.
 
 Copy and modify: copy this file, change it and run the copy; eval_adaptive.py rebuilds the copy's checkpoints with the
 copy's own network. Its stopping rule calls the network's `divergence` method, so a copy that changes the depth loss's
@@ -101,6 +101,10 @@ class NetworkArgs:
     """IRU width d"""
     num_critics: int = 2
     """critic ensemble size (the value and actor losses use the minimum over the ensemble)"""
+    init: Literal["pytorch", "flax"] = "pytorch"
+    """pytorch: nn.Linear's uniform +-1/sqrt(fan_in), biases too (ours, every committed run); flax: the authors'
+    (their networks.py): lecun_normal kernels, zero biases, the actor's mean head at variance scale 0.01 and
+    orthogonal value and critic heads. Both set the forget-gate bias to +1 (docs/reference.md, GC-IQL)"""
 
 
 @dataclass
@@ -476,8 +480,31 @@ def critics_at(critic, obs, goal, action):
 
 def build_network(args: Args, device):
     spec = ogbench_data.get_spec(args.env_name)
-    return GCIQLAgent(spec.obs_dim, spec.action_dim, args.depth, args.hidden_dim, args.iru_variant,
-                      args.num_critics, args.backbone).to(device)
+    agent = GCIQLAgent(spec.obs_dim, spec.action_dim, args.depth, args.hidden_dim, args.iru_variant,
+                       args.num_critics, args.backbone)
+    return (init_like_flax(agent) if args.init == "flax" else agent).to(device)
+
+
+def init_like_flax(agent):
+    """The authors' init (flax's defaults as their networks.py leaves or sets them): every kernel lecun_normal (a
+    normal of variance 1 / fan_in truncated at 2 standard deviations) and every bias 0, the forget-gate bias +1;
+    the V and Q heads orthogonal (one output: a unit vector), the actor's mean head variance_scaling(0.01,
+    fan_avg, uniform). LayerNorms stay at scale 1 and shift 0 in both."""
+    with torch.no_grad():
+        for net in (agent.value, agent.critic, agent.actor.iru):
+            for layer in (net.embed, net.gates):
+                std = (1 / layer.in_features) ** 0.5 / 0.87962566103423978  # flax's truncation correction
+                nn.init.trunc_normal_(layer.weight, std=std, a=-2 * std, b=2 * std)
+                nn.init.zeros_(layer.bias)
+            forget = slice(net.hidden_dim, 2 * net.hidden_dim) if isinstance(net, LSTM) else slice(0, net.hidden_dim)
+            net.gates.bias[..., forget] = 1.0
+            nn.init.zeros_(net.head.bias)
+        for member_weight in (*agent.value.head.weight, *agent.critic.head.weight):  # (in, out) per member
+            nn.init.orthogonal_(member_weight)
+        head = agent.actor.iru.head
+        limit = (3 * 0.01 / ((head.in_features + head.out_features) / 2)) ** 0.5
+        nn.init.uniform_(head.weight, -limit, limit)
+    return agent
 
 
 def network_from_checkpoint(checkpoint, device="cpu"):
@@ -618,7 +645,7 @@ def bf16_autocast(args, device):
 
 def make_update(args, network, target_critic, optimizer, dataset, generator, lambda_depth, loss_sums,
                 losses=flexloop_losses, prefetch=False):
-    """One update: sample a batch, the losses of `flexloop_losses`, Adam, Polyak averaging of the target critic.
+    """One update: sample a batch, the losses of `flexloop_losses`, Polyak averaging of the target critic, Adam.
     No host sync, fixed shapes: it can be captured in a CUDA graph. lambda_depth is a 0-d tensor, so one captured
     graph serves both phases; the loss parts add to loss_sums. With --bf16 on a GPU the losses' network passes run
     under bf16 autocast; the backward pass runs outside it, as torch.autocast advises. `losses` is flexloop_losses,
@@ -647,9 +674,10 @@ def make_update(args, network, target_critic, optimizer, dataset, generator, lam
             loss, terms = losses(network, target_critic, batch, args, lambda_depth)
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
+        with torch.no_grad():  # the target moves towards the critic before this step, as OGBench's target_update
+            torch._foreach_lerp_(target_params, critic_params, args.tau)
         optimizer.step()
         with torch.no_grad():
-            torch._foreach_lerp_(target_params, critic_params, args.tau)
             loss_sums.add_(torch.stack([terms[name] for name in LOSS_NAMES]).detach())
             if prefetch:  # the next batch into the buffers the next update reads (after this backward read them)
                 if sampler_stream is not None:

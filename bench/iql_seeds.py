@@ -90,10 +90,11 @@ def make_stacked_update(args, agents, target_critics, dataset, generator, lambda
             losses, terms = all_losses(params, target_params, batches, lambda_depth)
         optimizer.zero_grad(set_to_none=False)
         losses.sum().backward()  # no term mixes two seeds: each seed's weights get its own loss's gradient
-        optimizer.step()
-        with torch.no_grad():
+        with torch.no_grad():  # the target before Adam's step, as flexloop_gciql.make_update
             torch._foreach_lerp_([target_params[name.removeprefix("critic.")] for name in critic_names],
                                  [params[name].detach() for name in critic_names], args.tau)
+        optimizer.step()
+        with torch.no_grad():
             loss_sums.add_(terms.detach())
 
     return update, params, target_params, loss_sums

@@ -200,6 +200,60 @@ def test_iru_equations_against_hand_computation(variant):
     torch.testing.assert_close(net(x), net.output(s))
 
 
+@pytest.mark.parametrize("backbone", ["iru", "lstm"])
+def test_flax_init_is_the_authors_layer_by_layer(data_dir, backbone):
+    """--init flax: lecun_normal kernels (std sqrt(1 / fan_in)) and zero biases, the forget-gate bias +1, V and Q
+    heads orthogonal (a unit vector per member), the actor's mean head uniform within sqrt(3 * 0.01 / fan_avg)."""
+    torch.manual_seed(0)
+    args = tiny_args(data_dir, "unused", hidden_dim=64, backbone=backbone, init="flax")
+    agent = gciql.build_network(args, "cpu")
+    for net in (agent.value, agent.critic, agent.actor.iru):
+        for layer in (net.embed, net.gates):
+            expected_std = (1 / layer.in_features) ** 0.5
+            assert layer.weight.std().item() == pytest.approx(expected_std, rel=0.1)
+            assert layer.weight.abs().max() <= 2 * expected_std / 0.87962566103423978 + 1e-6  # truncated at 2 std
+        forget = slice(64, 128) if backbone == "lstm" else slice(0, 64)
+        assert torch.all(net.gates.bias[..., forget] == 1.0)
+        assert net.gates.bias.sum().item() == 64 * net.members  # every other gate bias 0
+        assert torch.all(net.embed.bias == 0) and torch.all(net.head.bias == 0)
+    for head in (agent.value.head, agent.critic.head):
+        torch.testing.assert_close(head.weight.norm(dim=1), torch.ones(head.weight.shape[0], 1))
+    head = agent.actor.iru.head
+    limit = (3 * 0.01 / ((64 + head.out_features) / 2)) ** 0.5
+    assert 0.8 * limit < head.weight.abs().max() <= limit
+
+
+def test_init_flag_default_keeps_pytorchs_init_and_a_checkpoint_keeps_its_weights(data_dir):
+    torch.manual_seed(0)
+    args = tiny_args(data_dir, "unused", hidden_dim=64)
+    assert args.init == "pytorch"
+    agent = gciql.build_network(args, "cpu")
+    bound = 1 / 64 ** 0.5  # nn.Linear's uniform init, biases included
+    assert agent.actor.iru.head.weight.abs().max() > 0.9 * bound and agent.actor.iru.head.bias.abs().max() > 0
+    flax = gciql.build_network(replace(args, init="flax"), "cpu")
+    checkpoint = {"args": vars(replace(args, init="flax")), "model": flax.state_dict()}
+    actor, _ = gciql.network_from_checkpoint(checkpoint)  # rebuilt with the flax init, then its own weights
+    for name, weight in actor.state_dict().items():
+        torch.testing.assert_close(weight, flax.actor.state_dict()[name])
+
+
+def test_target_critic_moves_towards_the_critic_before_adams_step(data_dir):
+    """As OGBench's target_update (and the authors'), the Polyak step reads the critic as the losses saw it."""
+    torch.manual_seed(0)
+    args = gciql.resolve_dataset_defaults(tiny_args(data_dir, "unused", tau=0.5))
+    dataset = ogbench_data.load_dataset(PM, dataset_dir=str(data_dir), download=False)
+    agent, target_critic = gciql.build_network(args, "cpu"), gciql.build_network(args, "cpu").critic
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-2)
+    critic_before = copy.deepcopy(agent.critic.state_dict())
+    target_before = copy.deepcopy(target_critic.state_dict())
+    update = gciql.make_update(args, agent, target_critic, optimizer, dataset, torch.Generator().manual_seed(0),
+                               torch.tensor(0.0), torch.zeros(len(gciql.LOSS_NAMES)))
+    update()
+    for name, target in target_critic.state_dict().items():
+        torch.testing.assert_close(target, 0.5 * target_before[name] + 0.5 * critic_before[name])
+    assert any(not torch.equal(agent.critic.state_dict()[n], critic_before[n]) for n in critic_before)  # Adam moved it
+
+
 def test_actor_depth_protocol():
     torch.manual_seed(0)
     actor = gciql.IRUActor(obs_dim=3, action_dim=2, depth=4, hidden_dim=8)
