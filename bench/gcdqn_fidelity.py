@@ -3,6 +3,7 @@
     python bench/gcdqn_fidelity.py alpha checkpoints/BoxPick-Exact-4-v0__ref__1__1795763631/pretrained.pt
     python bench/gcdqn_fidelity.py horizon
     python bench/gcdqn_fidelity.py init
+    python bench/gcdqn_fidelity.py depth-q checkpoints/BoxPick-Exact-4-v0__ref__1__1795763631/pretrained.pt
 
 alpha: the temperature at which each form of the temperature loss is stationary, for a trained critic held fixed,
 on relabelled batches of its own episodes. per-state (the reference's) averages (H(s) - 1.1)^2 over states;
@@ -15,6 +16,9 @@ in 0..98, the offset inside both its episode and the window (none left: the goal
 init: the untrained IRU-5's full-depth Q on Generalize-4-1 start states, with PyTorch's init and with flax's (the
 reference's), 3 network seeds each: how much Q varies across the 6 actions, and the entropy of softmax(Q / alpha) at
 the initial alpha = 1 (uniform: ln 6 = 1.792).
+
+depth-q: a checkpoint's mean Q at each depth (over critics and actions) on 256 start states of its env's train
+split: the scale of the targets that AnyK-TD shares across depths (docs/results/ablations.md).
 """
 
 import argparse
@@ -95,13 +99,27 @@ def initial_q_spread(num_envs=1024, seeds=(0, 1, 2)):
     return result
 
 
+def q_by_depth(checkpoint_path, num_envs=256):
+    checkpoint = flexloop_run.load_checkpoint(checkpoint_path, gcdqn.ALGORITHM)
+    network, args = gcdqn.network_from_checkpoint(checkpoint)
+    env = envs.make_vec(args.env_id, num_envs, device="cpu", split="train", seed=0, check_actions=False).unwrapped
+    obs, _ = env.reset()
+    with torch.no_grad():
+        q = network.all_depths(obs["observation"], obs["desired_goal"])  # (K, critics, states, actions)
+    return {"what": "mean Q at each depth, train start states", "checkpoint": str(checkpoint_path),
+            "updates": checkpoint["updates"], "states": num_envs,
+            "mean_q_by_depth": [round(q[k].mean().item(), 1) for k in range(len(q))]}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["alpha", "horizon", "init"])
-    parser.add_argument("checkpoint", nargs="?", help="a GC-DQN checkpoint (alpha)")
+    parser.add_argument("what", choices=["alpha", "horizon", "init", "depth-q"])
+    parser.add_argument("checkpoint", nargs="?", help="a GC-DQN checkpoint (alpha, depth-q)")
     cli = parser.parse_args()
-    if cli.what == "alpha" and not cli.checkpoint:
-        parser.error("alpha needs a checkpoint, e.g. checkpoints/BoxPick-Exact-3-v0__ref__2__1795933667/latest.pt")
+    if cli.what in ("alpha", "depth-q") and not cli.checkpoint:
+        parser.error(f"{cli.what} needs a checkpoint, e.g. "
+                     "checkpoints/BoxPick-Exact-4-v0__ref__1__1795763631/pretrained.pt")
     torch.manual_seed(0)
-    measure = {"alpha": lambda: stationary_alpha(cli.checkpoint), "horizon": future_offsets, "init": initial_q_spread}
+    measure = {"alpha": lambda: stationary_alpha(cli.checkpoint), "horizon": future_offsets, "init": initial_q_spread,
+               "depth-q": lambda: q_by_depth(cli.checkpoint)}
     print(json.dumps(measure[cli.what]()))

@@ -592,3 +592,18 @@ def test_fidelity_bench_measures_the_inits_spread_of_q_across_actions():
     assert all(flax > 1.5 * pytorch > 0 for pytorch, flax in spreads)
     entropies = result["pytorch"]["entropy_at_alpha_1"] + result["flax"]["entropy_at_alpha_1"]
     assert all(1.5 < h <= math.log(6) + 1e-3 for h in entropies)  # near uniform at alpha = 1 either way
+
+
+def test_fidelity_bench_reads_a_trained_iru_5s_q_at_every_depth():
+    """bench/gcdqn_fidelity.py depth-q on the committed Exact-4 IRU-5: one mean Q per depth, growing with depth as
+    its residual state does (the scale AnyK-TD's shared target puts on the shallow depths)."""
+    import importlib.util
+    path = Path(__file__).parent.parent / "bench" / "gcdqn_fidelity.py"
+    spec = importlib.util.spec_from_file_location("gcdqn_fidelity", path)
+    fidelity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fidelity)
+    checkpoint = Path(__file__).parent.parent / "checkpoints/BoxPick-Exact-4-v0__ref__1__1795763631/pretrained.pt"
+    result = fidelity.q_by_depth(checkpoint, num_envs=32)
+    q = result["mean_q_by_depth"]
+    assert len(q) == 5 and result["updates"] > 5_000_000 - 100
+    assert all(shallow + 5 < deep for shallow, deep in zip(q, q[1:])), q
