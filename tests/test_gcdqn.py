@@ -579,14 +579,20 @@ def test_flax_init_is_lecun_normal_with_zero_biases_and_the_forget_bias_at_one(b
     assert pytorch.embed.bias.abs().sum() > 0  # nn.Linear's uniform biases
 
 
-def test_fidelity_bench_measures_the_inits_spread_of_q_across_actions():
-    """bench/gcdqn_fidelity.py init: flax's lecun_normal kernels (1.73x nn.Linear's std) give the untrained critic
-    a wider spread of Q over the 6 actions than PyTorch's init, for every network seed, on real start states."""
+def load_fidelity_bench():
+    """bench/gcdqn_fidelity.py as a module (bench/ is not a package)."""
     import importlib.util
     path = Path(__file__).parent.parent / "bench" / "gcdqn_fidelity.py"
     spec = importlib.util.spec_from_file_location("gcdqn_fidelity", path)
     fidelity = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fidelity)
+    return fidelity
+
+
+def test_fidelity_bench_measures_the_inits_spread_of_q_across_actions():
+    """bench/gcdqn_fidelity.py init: flax's lecun_normal kernels (1.73x nn.Linear's std) give the untrained critic
+    a wider spread of Q over the 6 actions than PyTorch's init, for every network seed, on real start states."""
+    fidelity = load_fidelity_bench()
     result = fidelity.initial_q_spread(num_envs=64, seeds=(0, 1))
     spreads = zip(result["pytorch"]["median_std_across_actions"], result["flax"]["median_std_across_actions"])
     assert all(flax > 1.5 * pytorch > 0 for pytorch, flax in spreads)
@@ -597,11 +603,7 @@ def test_fidelity_bench_measures_the_inits_spread_of_q_across_actions():
 def test_fidelity_bench_reads_a_trained_iru_5s_q_at_every_depth():
     """bench/gcdqn_fidelity.py depth-q on the committed Exact-4 IRU-5: one mean Q per depth, growing with depth as
     its residual state does (the scale AnyK-TD's shared target puts on the shallow depths)."""
-    import importlib.util
-    path = Path(__file__).parent.parent / "bench" / "gcdqn_fidelity.py"
-    spec = importlib.util.spec_from_file_location("gcdqn_fidelity", path)
-    fidelity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fidelity)
+    fidelity = load_fidelity_bench()
     checkpoint = Path(__file__).parent.parent / "checkpoints/BoxPick-Exact-4-v0__ref__1__1795763631/pretrained.pt"
     result = fidelity.q_by_depth(checkpoint, num_envs=32)
     q = result["mean_q_by_depth"]
